@@ -1,0 +1,3 @@
+from pdwire.cli import main
+
+raise SystemExit(main())

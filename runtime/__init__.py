@@ -1,0 +1,1 @@
+"""Hand-written runtime: planner (indices -> byte ranges), transfer backends, control plane, sessions."""

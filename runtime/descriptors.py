@@ -1,0 +1,100 @@
+"""Descriptor tables: the one value the planner produces and every backend consumes.
+
+A descriptor is one contiguous copy ``length`` bytes from ``src_addr`` (in the local,
+prefill-side process) to ``dst_addr`` (in the peer, decode-side process). Addresses are
+absolute virtual addresses as registered, always ``uint64``: offsets are never computed in
+a narrower type. Each descriptor also names the registered region it lies in on each side
+(an index into that side's region list), so engines that address memory as
+"descriptor + offset" (MoRI) or need a device id per row (NIXL) can translate without
+searching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+
+
+class MemoryKind(str, Enum):
+    """Where a registered region lives."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered, contiguous memory region on one side of a transfer."""
+
+    base: int
+    length: int
+    kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+    name: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.base + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class DescriptorTable:
+    """Columns of equal length; row i copies ``length[i]`` bytes ``src_addr[i] -> dst_addr[i]``."""
+
+    src_addr: U64
+    dst_addr: U64
+    length: U64
+    src_region: U32
+    dst_region: U32
+
+    def __post_init__(self) -> None:
+        n = len(self.src_addr)
+        for name in ("src_addr", "dst_addr", "length"):
+            col = getattr(self, name)
+            if col.dtype != np.uint64 or col.ndim != 1 or len(col) != n:
+                raise TypeError(f"DescriptorTable.{name} must be a 1-D uint64 column of length {n}")
+        for name in ("src_region", "dst_region"):
+            col = getattr(self, name)
+            if col.dtype != np.uint32 or col.ndim != 1 or len(col) != n:
+                raise TypeError(f"DescriptorTable.{name} must be a 1-D uint32 column of length {n}")
+
+    def __len__(self) -> int:
+        return len(self.src_addr)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum(dtype=np.uint64))
+
+    @classmethod
+    def empty(cls) -> DescriptorTable:
+        z64 = np.zeros(0, dtype=np.uint64)
+        z32 = np.zeros(0, dtype=np.uint32)
+        return cls(z64, z64.copy(), z64.copy(), z32, z32.copy())
+
+    @classmethod
+    def concat(cls, tables: list[DescriptorTable]) -> DescriptorTable:
+        if not tables:
+            return cls.empty()
+        return cls(
+            np.concatenate([t.src_addr for t in tables]),
+            np.concatenate([t.dst_addr for t in tables]),
+            np.concatenate([t.length for t in tables]),
+            np.concatenate([t.src_region for t in tables]),
+            np.concatenate([t.dst_region for t in tables]),
+        )
+
+    def slice(self, start: int, stop: int) -> DescriptorTable:
+        """Rows [start, stop): used to post a large table in bounded batches."""
+        return DescriptorTable(
+            self.src_addr[start:stop],
+            self.dst_addr[start:stop],
+            self.length[start:stop],
+            self.src_region[start:stop],
+            self.dst_region[start:stop],
+        )
