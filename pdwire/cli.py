@@ -24,7 +24,9 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdwire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pdwire", description="Versioned PD-disaggregation control protocol and transfer runtime."
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         if only is not None and name != only:

@@ -1,0 +1,1 @@
+"""Package marker; see the README for what lives here."""
