@@ -12,7 +12,7 @@ searching.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,7 @@ U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
 
 
-class MemoryKind(str, Enum):
+class MemoryKind(StrEnum):
     """Where a registered region lives."""
 
     DRAM = "DRAM"
