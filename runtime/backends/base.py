@@ -414,6 +414,13 @@ class Backend(abc.ABC):
         DescriptorError (bad rows), PeerError (unknown/removed peer) or TransferError
         (engine refused); otherwise engine failures show up as FAILED from :meth:`poll`.
         """
+        h = self._admit(peer, table, notification)
+        self._post(h, table, bytes(notification))
+        self._handles[h.id] = h
+        return h
+
+    def _admit(self, peer: Peer, table: DescriptorTable, notification: bytes) -> TransferHandle:
+        """Every check ``post`` makes before anything moves; returns an unposted handle."""
         self._check_open()
         if peer.removed or self._peers.get(peer.agent_name) is not peer:
             raise PeerError(f"peer {peer.agent_name!r} is not added to backend {self.agent_name!r}")
@@ -426,8 +433,6 @@ class Backend(abc.ABC):
             self._next_id, peer, table.total_bytes, len(table), time.monotonic() + self.transfer_timeout_s
         )
         self._next_id += 1
-        self._post(h, table, bytes(notification))
-        self._handles[h.id] = h
         return h
 
     def poll(self, handle: TransferHandle) -> TransferStatus:

@@ -1,0 +1,308 @@
+"""``nixl``: NIXL agents over UCX (DRAM here; VRAM wherever a GPU is present).
+
+Mapping onto NIXL
+-----------------
+* ``register`` -> ``register_memory(Nx3 [addr, len, dev], "DRAM" | "VRAM")``, one call per
+  memory kind (from ``Region.kind``; the device id comes from ``Region.device_id``).
+* ``local_metadata`` wraps ``get_agent_metadata()`` (taken *after* the last register, as
+  NIXL's metadata carries the registrations); ``add_peer`` -> ``add_remote_agent``.
+* ``post`` -> one ``initialize_xfer("WRITE", ...)`` + ``transfer`` per batch. Rows are
+  grouped by (src kind, dst kind) because a NIXL descriptor list has one memory type,
+  and each group is cut into batches of at most ``max_descs_per_xfer`` rows. When the
+  whole table is one batch the notification rides on that WRITE (NIXL delivers it after
+  the data). Otherwise the batches go without one and, once every batch reports DONE
+  (remote completion under UCX), ``send_notif`` delivers it: still after all bytes.
+* ``poll`` -> ``check_xfer_state``; "ERR" is FAILED. ``release`` releases the NIXL
+  request handles (NIXL cancels active ones).
+* Repeated grids: :meth:`NixlBackend.post_prepped` takes a table whose every row is one
+  fixed-size slot of a region (e.g. a KV page grid); it builds both sides' prepped dlists
+  once per (peer, region pair, slot size) with ``prep_xfer_dlist`` and then posts with
+  ``make_prepped_xfer`` by slot index, which skips per-request descriptor preparation.
+
+Set ``UCX_NET_DEVICES=lo`` on a single host and ``NIXL_LOG_LEVEL=WARN`` to quiet logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pdwire.runtime.backends.base import (
+    DONE,
+    PENDING,
+    Backend,
+    DescriptorError,
+    HostBuffer,
+    Notification,
+    Peer,
+    PeerError,
+    PeerMetadata,
+    RegistrationError,
+    TransferError,
+    TransferHandle,
+    TransferStatus,
+    batches,
+    decode_envelope,
+    encode_envelope,
+    failed,
+)
+from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
+
+PAGE = 4096
+
+
+@dataclass
+class _Xfer:
+    reqs: list[Any]  # nixl_xfer_handle per batch
+    done: list[bool]
+    notification: bytes
+    notify_after: bool  # send_notif once every batch is DONE
+    status: TransferStatus = field(default=PENDING)
+
+
+def aligned_zeros(nbytes: int, align: int = PAGE) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Zeroed, page-aligned, pre-faulted host memory (writing the zeros faults every page)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    arr = raw[off : off + nbytes]
+    arr.fill(0)
+    return arr
+
+
+class NixlBackend(Backend):
+    name = "nixl"
+    supports_vram = True
+
+    def __init__(
+        self,
+        agent_name: str | None = None,
+        transfer_timeout_s: float = 30.0,
+        max_descs_per_xfer: int = 32768,
+        ucx_params: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(agent_name, transfer_timeout_s)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if max_descs_per_xfer <= 0:
+            raise TransferError(f"max_descs_per_xfer must be positive, got {max_descs_per_xfer}")
+        self.max_descs = max_descs_per_xfer
+        # The progress thread is required: without it a WRITE between agents never completes.
+        cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
+        self._agent = nixl_agent(self.agent_name, cfg)
+        self._agent.create_backend("UCX", dict(ucx_params or {}))
+        self._reg_descs: list[Any] = []
+        self._buffers: list[HostBuffer] = []
+        self._prepped: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
+        self._orphans: list[Any] = []  # request handles NIXL could not release yet
+
+    # ---- memory
+    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
+        buf = HostBuffer(name, aligned_zeros(nbytes))
+        self._buffers.append(buf)
+        return buf
+
+    def _register(self, regions: list[Region]) -> None:
+        for kind in MemoryKind:
+            rows = [(r.base, r.length, r.device_id) for r in regions if r.kind is kind]
+            if not rows:
+                continue
+            try:
+                descs = self._agent.register_memory(np.array(rows, dtype=np.uint64), kind.value)
+            except Exception as exc:
+                raise RegistrationError(
+                    f"NIXL refused to register {len(rows)} {kind.value} regions: {exc}"
+                ) from None
+            self._reg_descs.append(descs)
+
+    def _local_metadata(self) -> PeerMetadata:
+        engine = bytes(self._agent.get_agent_metadata())
+        return PeerMetadata(
+            self.agent_name, encode_envelope(self.name, self.agent_name, self.regions, engine)
+        )
+
+    # ---- peers
+    def _add_peer(self, metadata: PeerMetadata) -> Peer:
+        md = decode_envelope(self.name, metadata)
+        try:
+            name = self._agent.add_remote_agent(md.engine)
+        except Exception as exc:
+            raise PeerError(f"NIXL rejected the metadata of {md.agent_name!r}: {exc}") from None
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != md.agent_name:
+            raise PeerError(f"NIXL metadata names agent {name!r}, envelope says {md.agent_name!r}")
+        return Peer(md.agent_name, md.regions, md.pid)
+
+    def _remove_peer(self, peer: Peer) -> None:
+        for key in [k for k in self._prepped if k[0] == peer.agent_name]:
+            for h in self._prepped.pop(key):
+                self._safe_release(h)
+        # A dead peer may already be disconnected; the name is forgotten either way.
+        with contextlib.suppress(Exception):
+            self._agent.remove_remote_agent(peer.agent_name)
+
+    # ---- transfers
+    def _group_rows(self, table: DescriptorTable, peer: Peer) -> list[tuple[str, str, np.ndarray[Any, Any]]]:
+        src_kind = np.array([r.kind is MemoryKind.VRAM for r in self.regions], dtype=bool)[table.src_region]
+        dst_kind = np.array([r.kind is MemoryKind.VRAM for r in peer.regions], dtype=bool)[table.dst_region]
+        code = src_kind.astype(np.uint8) * 2 + dst_kind.astype(np.uint8)
+        groups = []
+        for c in np.unique(code):
+            rows = np.flatnonzero(code == c)
+            groups.append(("VRAM" if c & 2 else "DRAM", "VRAM" if c & 1 else "DRAM", rows))
+        return groups
+
+    def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
+        peer = handle.peer
+        src_dev = np.array([r.device_id for r in self.regions], dtype=np.uint64)[table.src_region]
+        dst_dev = np.array([r.device_id for r in peer.regions], dtype=np.uint64)[table.dst_region]
+        src3 = np.stack([table.src_addr, table.length, src_dev], axis=1)
+        dst3 = np.stack([table.dst_addr, table.length, dst_dev], axis=1)
+        plan = [
+            (sk, dk, rows[a:b])
+            for sk, dk, rows in self._group_rows(table, peer)
+            for a, b in batches(len(rows), self.max_descs)
+        ]
+        single = len(plan) == 1
+        x = _Xfer([], [], notification, notify_after=not single)
+        handle.engine = x
+        for sk, dk, rows in plan:
+            try:
+                src = self._agent.get_xfer_descs(np.ascontiguousarray(src3[rows]), sk)
+                dst = self._agent.get_xfer_descs(np.ascontiguousarray(dst3[rows]), dk)
+                req = self._agent.initialize_xfer(
+                    "WRITE", src, dst, peer.agent_name, notification if single else b""
+                )
+            except Exception as exc:
+                self._abort(handle)
+                raise TransferError(f"NIXL could not create a WRITE to {peer.agent_name!r}: {exc}") from None
+            self._start(x, req)
+
+    def _start(self, x: _Xfer, req: Any) -> None:
+        x.reqs.append(req)
+        try:
+            state = self._agent.transfer(req)
+        except Exception as exc:
+            state, x.status = "ERR", failed(f"NIXL transfer() raised: {exc}")
+        x.done.append(state == "DONE")
+        if state == "ERR" and not x.status.finished:
+            x.status = failed("NIXL transfer() returned ERR")
+
+    def post_prepped(
+        self, peer: Peer, table: DescriptorTable, notification: bytes, slot_bytes: int
+    ) -> TransferHandle:
+        """Post a table whose rows are whole ``slot_bytes`` slots of one src and one dst region.
+
+        The prepped dlists (every slot of the src region locally, of the dst region on the
+        peer) are built once and reused by every later call with the same key, which is
+        what pays off for a fixed KV page grid. Rows must be slot-aligned, else
+        DescriptorError.
+        """
+        h = self._admit(peer, table, notification)
+        if slot_bytes <= 0:
+            raise DescriptorError(f"post_prepped: slot size must be positive, got {slot_bytes}")
+        sreg, dreg = int(table.src_region[0]), int(table.dst_region[0])
+        if (table.src_region != sreg).any() or (table.dst_region != dreg).any():
+            raise DescriptorError("post_prepped: every row must use the same src and dst region")
+        if (table.length != slot_bytes).any():
+            raise DescriptorError(f"post_prepped: every row must be exactly {slot_bytes} bytes")
+        sr, dr = self.regions[sreg], peer.regions[dreg]
+        s_off = table.src_addr - np.uint64(sr.base)
+        d_off = table.dst_addr - np.uint64(dr.base)
+        if (s_off % np.uint64(slot_bytes)).any() or (d_off % np.uint64(slot_bytes)).any():
+            raise DescriptorError(f"post_prepped: rows are not aligned to {slot_bytes}-byte slots")
+        key = (peer.agent_name, sreg, dreg, slot_bytes)
+        if key not in self._prepped:
+            self._prepped[key] = (
+                self._prep(sr, slot_bytes, "NIXL_INIT_AGENT"),
+                self._prep(dr, slot_bytes, peer.agent_name),
+            )
+        lh, rh = self._prepped[key]
+        x = _Xfer([], [], notification, notify_after=False)
+        h.engine = x
+        s_idx = (s_off // np.uint64(slot_bytes)).astype(np.int32)
+        d_idx = (d_off // np.uint64(slot_bytes)).astype(np.int32)
+        try:
+            req = self._agent.make_prepped_xfer("WRITE", lh, s_idx, rh, d_idx, bytes(notification))
+        except Exception as exc:
+            raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
+        self._start(x, req)
+        self._handles[h.id] = h
+        return h
+
+    def _prep(self, r: Region, slot: int, agent: str) -> Any:
+        n = r.length // slot
+        rows = np.empty((n, 3), dtype=np.uint64)
+        rows[:, 0] = np.uint64(r.base) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
+        rows[:, 1] = slot
+        rows[:, 2] = r.device_id
+        return self._agent.prep_xfer_dlist(agent, rows, r.kind.value)
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        x: _Xfer = handle.engine
+        if x.status.finished:
+            return x.status
+        for i, req in enumerate(x.reqs):
+            if x.done[i]:
+                continue
+            try:
+                state = self._agent.check_xfer_state(req)
+            except Exception as exc:
+                state = f"ERR ({exc})"
+            if state.startswith("ERR"):
+                x.status = failed(f"NIXL reported {state} for a WRITE to {handle.peer.agent_name!r}")
+                return x.status
+            x.done[i] = state == "DONE"
+        if not all(x.done):
+            return PENDING
+        if x.notify_after:
+            try:
+                self._agent.send_notif(handle.peer.agent_name, x.notification)
+            except Exception as exc:
+                x.status = failed(f"NIXL send_notif to {handle.peer.agent_name!r} failed: {exc}")
+                return x.status
+        x.status = DONE
+        return DONE
+
+    def _safe_release(self, h: Any) -> None:
+        try:
+            h.release()
+        except Exception:
+            self._orphans.append(h)  # still active and not cancellable: retry at close
+
+    def _abort(self, handle: TransferHandle) -> None:
+        x: _Xfer | None = handle.engine
+        if x is None:
+            return
+        for req in x.reqs:
+            self._safe_release(req)
+        x.reqs, x.done = [], []
+        if not x.status.finished:
+            x.status = failed("cancelled")
+
+    def _release(self, handle: TransferHandle) -> None:
+        self._abort(handle)
+        handle.engine = None
+
+    def _receive_notifications(self) -> list[Notification]:
+        got = self._agent.get_new_notifs()
+        return [Notification(str(peer), bytes(m)) for peer, msgs in got.items() for m in msgs]
+
+    def _close(self) -> None:
+        for hs in self._prepped.values():
+            for h in hs:
+                self._safe_release(h)
+        self._prepped.clear()
+        for h in self._orphans:
+            # NIXL frees leaked handles itself when the agent is destroyed.
+            with contextlib.suppress(Exception):
+                h.release()
+        self._orphans.clear()
+        for descs in self._reg_descs:
+            # The agent below is dropped anyway; nothing more can be done on failure.
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(descs)
+        self._reg_descs.clear()
+        self._buffers.clear()
+        del self._agent
