@@ -1,0 +1,100 @@
+"""Values the pure state machines hand back to the I/O edge.
+
+The machines never touch a socket, an engine or a clock: they return these, and the
+driver performs them (encode and send a message, plan and post a transfer, free memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdwire.runtime.session.failures import Failure
+from pdwire.runtime.session.status import RoomStatus
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRef:
+    """One rank of one engine instance: the unit that handshakes and registers."""
+
+    engine_id: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/{self.rank}"
+
+
+# --- what a prefill rank posts for one target -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KvPart:
+    """KV pages of one prefill chunk; ``start``/``stop`` are page positions in the prompt."""
+
+    chunk_id: int
+    start: int
+    stop: int
+    is_last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    component: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuxPart:
+    pass
+
+
+Part = KvPart | StatePart | AuxPart
+
+
+# --- actions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PostTransfer:
+    """Plan ``part`` of ``room`` for ``peer`` and post it; report back under ``xfer_id``."""
+
+    xfer_id: int
+    room: int
+    peer: PeerRef
+    part: Part
+
+
+@dataclass(frozen=True, slots=True)
+class SendStatus:
+    peer: PeerRef
+    room: int
+    status: RoomStatus
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendAbort:
+    peer: PeerRef
+    room: int
+    failure: Failure
+
+
+@dataclass(frozen=True, slots=True)
+class SendAbortAck:
+    peer: PeerRef
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRoom:
+    """The room is over: free its buffers and drop the engine handles in ``xfer_ids``.
+
+    Emitted exactly once per room, with the final status; ``xfer_ids`` are transfers still
+    in flight whose handles the driver must release (their completions are ignored later).
+    """
+
+    room: int
+    status: RoomStatus
+    failure: Failure | None
+    xfer_ids: tuple[int, ...] = ()
+
+
+Action = PostTransfer | SendStatus | SendAbort | SendAbortAck | ReleaseRoom

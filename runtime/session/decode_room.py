@@ -1,0 +1,170 @@
+"""One room on one decode rank: completion accounting, a pure state machine.
+
+Decode knows, from the rank routing, which prefill senders feed it and what each owes:
+every KV chunk (their number is learned from the chunk flagged last), each state component
+it asked for, and aux from the one aux owner. Completions are counted per
+(sender, component, chunk), never per sender alone (a per-sender count declares
+multi-component state complete after its first component). The room succeeds only when
+every expected completion arrived; anything unexpected (unknown sender, dummy sender,
+repeated or out-of-range chunk, unexpected component) fails it, because a completion this
+side cannot account for means the bytes in its slots cannot be trusted either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
+from pdwire.runtime.session.failures import Failure, FailureKind
+from pdwire.runtime.session.status import RoomStatus
+
+
+class PartKind(IntEnum):
+    KV = 0
+    STATE = 1
+    AUX = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SenderPlan:
+    """What one prefill sender owes this decode rank for one room."""
+
+    sender: int  # unique sender rank, as it appears in notifications and statuses
+    peer: PeerRef
+    is_dummy: bool = False
+    components: tuple[int, ...] = ()
+    aux: bool = False
+
+
+class DecodeRoom:
+    def __init__(self, room: int, senders: Sequence[SenderPlan], deadline: float) -> None:
+        if not any(not s.is_dummy for s in senders):
+            raise ValueError(f"room {room}: no real (non-dummy) sender")
+        if sum(s.aux for s in senders if not s.is_dummy) != 1:
+            raise ValueError(f"room {room}: exactly one real sender must own aux")
+        self.room = room
+        self.deadline = deadline
+        self.status = RoomStatus.BOOTSTRAPPING
+        self.failure: Failure | None = None
+        self.plans = {s.sender: s for s in senders}
+        if len(self.plans) != len(senders):
+            raise ValueError(f"room {room}: sender ranks repeat")
+        real = [s for s in senders if not s.is_dummy]
+        self._kv_seen: dict[int, set[int]] = {s.sender: set() for s in real}
+        self._kv_count: dict[int, int | None] = {s.sender: None for s in real}
+        self._state_missing: dict[int, set[int]] = {s.sender: set(s.components) for s in real}
+        self._aux_missing: set[int] = {s.sender for s in real if s.aux}
+
+    @property
+    def finished(self) -> bool:
+        return self.status.terminal
+
+    def missing(self) -> list[str]:
+        """Human-readable list of what has not arrived (for timeout reasons)."""
+        out: list[str] = []
+        for s, seen in self._kv_seen.items():
+            n = self._kv_count[s]
+            if n is None:
+                out.append(f"sender {s}: kv (last chunk not seen, {len(seen)} chunks so far)")
+            elif len(seen) < n:
+                out.append(f"sender {s}: kv chunks {sorted(set(range(n)) - seen)}")
+        out += [f"sender {s}: state {sorted(c)}" for s, c in self._state_missing.items() if c]
+        out += [f"sender {s}: aux" for s in sorted(self._aux_missing)]
+        return out
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing()
+
+    # -- events ----------------------------------------------------------------------
+
+    def on_requests_sent(self) -> None:
+        if not self.finished:
+            self.status = RoomStatus.WAITING_FOR_INPUT
+
+    def on_notification(
+        self, sender: int, kind: PartKind, chunk_id: int = 0, is_last: bool = False, component: int = 0
+    ) -> list[Action]:
+        if self.finished:
+            return []
+        problem = self._account(sender, kind, chunk_id, is_last, component)
+        if problem is not None:
+            return self._fail(Failure(FailureKind.VALIDATION, f"room {self.room}: {problem}"))
+        self.status = RoomStatus.TRANSFERRING
+        if self.complete:
+            self.status = RoomStatus.SUCCESS
+            return [ReleaseRoom(self.room, RoomStatus.SUCCESS, None)]
+        return []
+
+    def on_status(self, sender: int, status: RoomStatus, failure: Failure | None) -> list[Action]:
+        """A status from a prefill sender. Only Failed changes anything: Success is counted
+        from completions (a status can overtake the engine's notifications)."""
+        if self.finished or status is not RoomStatus.FAILED:
+            return []
+        plan = self.plans.get(sender)
+        who = plan.peer if plan is not None else None
+        return self._fail(failure or Failure(FailureKind.REMOTE, f"sender {sender} failed"), skip=who)
+
+    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
+        if self.finished or all(p.peer != peer for p in self.plans.values()):
+            return []
+        return self._fail(Failure(FailureKind.PEER_GONE, f"{peer} went away"), skip=peer)
+
+    def on_tick(self, now: float) -> list[Action]:
+        if self.finished or now < self.deadline:
+            return []
+        return self._fail(
+            Failure(
+                FailureKind.TIMEOUT, f"room {self.room} incomplete at deadline: {'; '.join(self.missing())}"
+            )
+        )
+
+    def abort(self, failure: Failure) -> list[Action]:
+        """Fail the room locally (the owner gave up, or the edge found a problem)."""
+        if self.finished:
+            return []
+        return self._fail(failure)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _account(
+        self, sender: int, kind: PartKind, chunk_id: int, is_last: bool, component: int
+    ) -> str | None:
+        plan = self.plans.get(sender)
+        if plan is None:
+            return f"completion from sender {sender}, which does not feed this rank"
+        if plan.is_dummy:
+            return f"completion from dummy sender {sender}"
+        if kind is PartKind.KV:
+            seen, count = self._kv_seen[sender], self._kv_count[sender]
+            if chunk_id < 0 or chunk_id in seen:
+                return f"sender {sender}: kv chunk {chunk_id} repeated or negative"
+            if count is not None and chunk_id >= count:
+                return f"sender {sender}: kv chunk {chunk_id} after last chunk {count - 1}"
+            if is_last:
+                if seen and max(seen) > chunk_id:
+                    return f"sender {sender}: last kv chunk {chunk_id} but chunk {max(seen)} arrived"
+                self._kv_count[sender] = chunk_id + 1
+            seen.add(chunk_id)
+            return None
+        if kind is PartKind.STATE:
+            missing = self._state_missing[sender]
+            if component not in missing:
+                return f"sender {sender}: state component {component} unexpected or repeated"
+            missing.remove(component)
+            return None
+        if sender not in self._aux_missing:
+            return f"sender {sender}: aux unexpected or repeated"
+        self._aux_missing.remove(sender)
+        return None
+
+    def _fail(self, failure: Failure, skip: PeerRef | None = None) -> list[Action]:
+        self.status = RoomStatus.FAILED
+        self.failure = failure
+        # Tell every prefill sender to stop and free its side; the one that failed knows.
+        peers = dict.fromkeys(p.peer for p in self.plans.values() if p.peer != skip)
+        actions: list[Action] = [SendAbort(p, self.room, failure) for p in peers]
+        actions.append(ReleaseRoom(self.room, RoomStatus.FAILED, failure))
+        return actions

@@ -1,0 +1,84 @@
+"""All rooms of one decode rank: room ids, routing of completions and statuses, timeouts.
+
+Pure like the prefill session. Starting a room whose id is active, or finished recently,
+raises :class:`DuplicateRoomError` before anything is sent, so a repeated client-supplied id
+never reaches (or confuses) a prefill rank.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom
+from pdwire.runtime.session.decode_room import DecodeRoom, PartKind, SenderPlan
+from pdwire.runtime.session.failures import DuplicateRoomError, Failure
+from pdwire.runtime.session.status import RoomStatus
+
+
+class DecodeSession:
+    def __init__(self, room_timeout_s: float = 30.0, tombstones: int = 65536) -> None:
+        self.room_timeout_s = room_timeout_s
+        self.rooms: dict[int, DecodeRoom] = {}
+        self.finished: OrderedDict[int, RoomStatus] = OrderedDict()
+        self._max_tombstones = tombstones
+        self.stray_completions = 0  # completions for rooms already over (late, harmless)
+
+    def start_room(
+        self, room: int, senders: Sequence[SenderPlan], now: float, timeout_s: float | None = None
+    ) -> DecodeRoom:
+        if room in self.rooms:
+            raise DuplicateRoomError(room, "still in flight on this decode rank")
+        if room in self.finished:
+            raise DuplicateRoomError(room, f"finished {self.finished[room].name} recently")
+        r = DecodeRoom(room, senders, now + (self.room_timeout_s if timeout_s is None else timeout_s))
+        self.rooms[room] = r
+        return r
+
+    def _settle(self, actions: list[Action]) -> list[Action]:
+        for a in actions:
+            if isinstance(a, ReleaseRoom):
+                self.rooms.pop(a.room, None)
+                self.finished[a.room] = a.status
+                while len(self.finished) > self._max_tombstones:
+                    self.finished.popitem(last=False)
+        return actions
+
+    def on_notification(
+        self,
+        room: int,
+        sender: int,
+        kind: PartKind,
+        chunk_id: int = 0,
+        is_last: bool = False,
+        component: int = 0,
+    ) -> list[Action]:
+        r = self.rooms.get(room)
+        if r is None:
+            self.stray_completions += 1
+            return []
+        return self._settle(r.on_notification(sender, kind, chunk_id, is_last, component))
+
+    def on_status(self, room: int, sender: int, status: RoomStatus, failure: Failure | None) -> list[Action]:
+        r = self.rooms.get(room)
+        return [] if r is None else self._settle(r.on_status(sender, status, failure))
+
+    def abort(self, room: int, failure: Failure) -> list[Action]:
+        r = self.rooms.get(room)
+        return [] if r is None else self._settle(r.abort(failure))
+
+    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
+        actions: list[Action] = []
+        for r in list(self.rooms.values()):
+            actions += self._settle(r.on_peer_lost(peer))
+        return actions
+
+    def on_tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for r in list(self.rooms.values()):
+            if now >= r.deadline:
+                actions += self._settle(r.on_tick(now))
+        return actions
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self.rooms.values()), default=None)

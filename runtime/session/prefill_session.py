@@ -1,0 +1,137 @@
+"""All rooms of one prefill rank: routing of events to rooms, duplicate ids, timeouts.
+
+Pure: every method takes the current time as a value and returns actions. Finished rooms
+leave a bounded tombstone so that a late or repeated request for the same id gets a typed
+answer (its original failure, or ``duplicate_room``) instead of silently opening a room
+that would never complete.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdwire.runtime.session.actions import (
+    Action,
+    PeerRef,
+    PostTransfer,
+    ReleaseRoom,
+    SendAbortAck,
+    SendStatus,
+)
+from pdwire.runtime.session.failures import Failure, FailureKind
+from pdwire.runtime.session.prefill_room import PrefillRoom, Target
+from pdwire.runtime.session.status import RoomStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    status: RoomStatus
+    failure: Failure | None
+    peers: frozenset[PeerRef]
+
+
+class PrefillSession:
+    def __init__(self, room_timeout_s: float = 30.0, tombstones: int = 65536) -> None:
+        self.room_timeout_s = room_timeout_s
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.tombstones: OrderedDict[int, Tombstone] = OrderedDict()
+        self._max_tombstones = tombstones
+        self._xfer_room: dict[int, int] = {}
+        self._xfer_counter = 0
+
+    def _next_xfer_id(self) -> int:
+        self._xfer_counter += 1
+        return self._xfer_counter
+
+    def _room(self, room: int, now: float) -> PrefillRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            r = PrefillRoom(room, now + self.room_timeout_s, self._next_xfer_id)
+            self.rooms[room] = r
+        return r
+
+    def _settle(self, actions: list[Action]) -> list[Action]:
+        """Book-keeping after a room returned actions: track transfers, retire finished rooms."""
+        for a in actions:
+            if isinstance(a, PostTransfer):
+                self._xfer_room[a.xfer_id] = a.room
+            elif isinstance(a, ReleaseRoom):
+                for x in a.xfer_ids:
+                    self._xfer_room.pop(x, None)
+                r = self.rooms.pop(a.room)
+                self.tombstones[a.room] = Tombstone(a.status, a.failure, frozenset(r.targets))
+                while len(self.tombstones) > self._max_tombstones:
+                    self.tombstones.popitem(last=False)
+        return actions
+
+    # -- events ----------------------------------------------------------------------
+
+    def on_request(self, room: int, target: Target, required: int, now: float) -> list[Action]:
+        peer = target.peer
+        dead = self.tombstones.get(room)
+        if dead is not None and room not in self.rooms:
+            # A late request from the same engine for a room that failed learns why it failed;
+            # anything else reusing a finished id is a duplicate.
+            same_engine = not dead.peers or peer.engine_id in {p.engine_id for p in dead.peers}
+            failed = dead.status is RoomStatus.FAILED and dead.failure is not None
+            if failed and same_engine and peer not in dead.peers:
+                assert dead.failure is not None
+                return [SendStatus(peer, room, RoomStatus.FAILED, dead.failure)]
+            return [self._duplicate(peer, room, f"room {room} already finished {dead.status.name}")]
+        r = self.rooms.get(room)
+        if r is not None:
+            engines = {p.engine_id for p in r.targets}
+            if peer in r.targets:
+                return [self._duplicate(peer, room, f"{peer} already asked for room {room}")]
+            if engines and peer.engine_id not in engines:
+                return [self._duplicate(peer, room, f"room {room} belongs to engine {sorted(engines)[0]}")]
+            if r.all_requests_in:
+                return [self._duplicate(peer, room, f"room {room} already has all {r.required} requests")]
+        return self._settle(self._room(room, now).on_request(target, required))
+
+    def _duplicate(self, peer: PeerRef, room: int, detail: str) -> SendStatus:
+        return SendStatus(peer, room, RoomStatus.FAILED, Failure(FailureKind.DUPLICATE_ROOM, detail))
+
+    def on_chunk(self, room: int, start: int, stop: int, is_last: bool, now: float) -> list[Action]:
+        if room in self.tombstones and room not in self.rooms:
+            return []  # the room already failed (or was aborted); the engine's pages are freed there
+        return self._settle(self._room(room, now).on_chunk(start, stop, is_last))
+
+    def on_xfer_done(self, xfer_id: int) -> list[Action]:
+        room = self._xfer_room.pop(xfer_id, None)
+        if room is None:
+            return []
+        return self._settle(self.rooms[room].on_xfer_done(xfer_id))
+
+    def on_xfer_failed(self, xfer_id: int, detail: str) -> list[Action]:
+        room = self._xfer_room.pop(xfer_id, None)
+        if room is None:
+            return []
+        return self._settle(self.rooms[room].on_xfer_failed(xfer_id, detail))
+
+    def on_abort(self, room: int, peer: PeerRef) -> list[Action]:
+        r = self.rooms.get(room)
+        if r is None:
+            return [SendAbortAck(peer, room)]
+        return self._settle(r.on_abort(peer))
+
+    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
+        actions: list[Action] = []
+        for r in list(self.rooms.values()):
+            actions += self._settle(r.on_peer_lost(peer))
+        return actions
+
+    def fail_room(self, room: int, failure: Failure) -> list[Action]:
+        r = self.rooms.get(room)
+        return [] if r is None else self._settle(r.fail(failure))
+
+    def on_tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for r in list(self.rooms.values()):
+            if now >= r.deadline:
+                actions += self._settle(r.on_tick(now))
+        return actions
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self.rooms.values()), default=None)

@@ -1,0 +1,169 @@
+"""Decode completion accounting: Success exactly when every (sender, component, chunk) arrived."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pdwire.runtime.session import (
+    DecodeSession,
+    DuplicateRoomError,
+    Failure,
+    FailureKind,
+    PartKind,
+    PeerRef,
+    ReleaseRoom,
+    RoomStatus,
+    SendAbort,
+    SenderPlan,
+)
+
+ROOM = 9
+Completion = tuple[int, PartKind, int, bool, int]  # sender, kind, chunk, is_last, component
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[list[SenderPlan], list[Completion]]:
+    """Sender plans plus the exact set of completions they owe."""
+    n = draw(st.integers(1, 4))
+    dummies = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    if all(dummies):
+        dummies[0] = False
+    real = [i for i in range(n) if not dummies[i]]
+    aux_owner = draw(st.sampled_from(real))
+    comps = tuple(sorted(draw(st.sets(st.integers(0, 3), max_size=3))))
+    senders, owed = [], []
+    for i in range(n):
+        sender = 10 + i  # sender ranks need not be dense
+        senders.append(
+            SenderPlan(sender, PeerRef("pre", i), dummies[i], () if dummies[i] else comps, i == aux_owner)
+        )
+        if dummies[i]:
+            continue
+        chunks = draw(st.integers(1, 4))
+        owed += [(sender, PartKind.KV, c, c == chunks - 1, 0) for c in range(chunks)]
+        owed += [(sender, PartKind.STATE, 0, False, c) for c in comps]
+        if i == aux_owner:
+            owed.append((sender, PartKind.AUX, 0, False, 0))
+    return senders, owed
+
+
+@given(plans(), st.randoms(use_true_random=False))
+def test_success_exactly_at_the_last_expected_completion(plan, rnd) -> None:
+    senders, owed = plan
+    s = DecodeSession()
+    room = s.start_room(ROOM, senders, now=0.0)
+    assert room.status is RoomStatus.BOOTSTRAPPING
+    room.on_requests_sent()
+    order = list(owed)
+    rnd.shuffle(order)
+    for i, c in enumerate(order):
+        acts = s.on_notification(ROOM, *c)
+        if i < len(order) - 1:
+            assert acts == [], f"finished early after {i + 1}/{len(order)}"
+            assert room.status is RoomStatus.TRANSFERRING
+        else:
+            assert acts == [ReleaseRoom(ROOM, RoomStatus.SUCCESS, None)]
+    assert ROOM not in s.rooms
+    assert s.on_notification(ROOM, *order[0]) == [] and s.stray_completions == 1
+
+
+@given(plans(), st.randoms(use_true_random=False), st.data())
+def test_a_missing_completion_never_succeeds_and_times_out_naming_it(plan, rnd, data) -> None:
+    senders, owed = plan
+    s = DecodeSession(room_timeout_s=5.0)
+    s.start_room(ROOM, senders, now=0.0)
+    order = list(owed)
+    rnd.shuffle(order)
+    dropped = order.pop(data.draw(st.integers(0, len(order) - 1)))
+    for c in order:
+        assert s.on_notification(ROOM, *c) == []
+    assert s.on_tick(4.99) == []
+    acts = s.on_tick(5.0)
+    rel = acts[-1]
+    assert isinstance(rel, ReleaseRoom) and rel.status is RoomStatus.FAILED
+    assert rel.failure is not None and rel.failure.kind is FailureKind.TIMEOUT
+    assert f"sender {dropped[0]}" in rel.failure.detail
+    # every prefill peer is asked to abort, so it releases its side too
+    assert {a.peer for a in acts if isinstance(a, SendAbort)} == {p.peer for p in senders}
+
+
+@given(plans(), st.data())
+def test_unexpected_completions_fail_the_room(plan, data) -> None:
+    senders, owed = plan
+    bad_kind = data.draw(st.sampled_from(["repeat", "unknown_sender", "dummy", "component", "after_last"]))
+    s = DecodeSession()
+    s.start_room(ROOM, senders, now=0.0)
+    first = owed[0]
+    assert s.on_notification(ROOM, *first) == []
+    real = next(p for p in senders if not p.is_dummy)
+    if bad_kind == "repeat":
+        bad: Completion = first
+    elif bad_kind == "unknown_sender":
+        bad = (999, PartKind.KV, 0, True, 0)
+    elif bad_kind == "dummy" and any(p.is_dummy for p in senders):
+        bad = (next(p for p in senders if p.is_dummy).sender, PartKind.KV, 0, True, 0)
+    elif bad_kind == "component":
+        bad = (real.sender, PartKind.STATE, 0, False, 7)
+    else:
+        last = max(c[2] for c in owed if c[0] == first[0] and c[1] is PartKind.KV)
+        if first[2] != last:
+            s.on_notification(ROOM, first[0], PartKind.KV, last, True, 0)
+        bad = (first[0], PartKind.KV, last + 1, False, 0)
+    acts = s.on_notification(ROOM, *bad)
+    assert isinstance(acts[-1], ReleaseRoom) and acts[-1].status is RoomStatus.FAILED
+    assert acts[-1].failure is not None and acts[-1].failure.kind is FailureKind.VALIDATION
+
+
+def test_per_component_accounting_not_per_sender() -> None:
+    """Two state components from one sender: the first must not complete the room (#39846)."""
+    s = DecodeSession()
+    s.start_room(ROOM, [SenderPlan(0, PeerRef("p", 0), False, (0, 1), True)], now=0.0)
+    assert s.on_notification(ROOM, 0, PartKind.KV, 0, True) == []
+    assert s.on_notification(ROOM, 0, PartKind.AUX) == []
+    assert s.on_notification(ROOM, 0, PartKind.STATE, component=1) == []
+    assert s.rooms[ROOM].missing() == ["sender 0: state [0]"]
+    assert s.on_notification(ROOM, 0, PartKind.STATE, component=0)[0].status is RoomStatus.SUCCESS  # type: ignore[union-attr]
+
+
+def test_failed_status_from_a_sender_fails_and_aborts_the_others() -> None:
+    s = DecodeSession()
+    p0, p1 = PeerRef("p", 0), PeerRef("p", 1)
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True), SenderPlan(1, p1)], now=0.0)
+    other = s.start_room(ROOM + 1, [SenderPlan(0, p0, aux=True)], now=0.0)
+    assert s.on_status(ROOM, 1, RoomStatus.SUCCESS, None) == []  # success is counted, not believed
+    fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
+    acts = s.on_status(ROOM, 1, RoomStatus.FAILED, fail)
+    assert acts == [SendAbort(p0, ROOM, fail), ReleaseRoom(ROOM, RoomStatus.FAILED, fail)]
+    assert ROOM + 1 in s.rooms and other.status is RoomStatus.BOOTSTRAPPING  # others untouched
+
+
+def test_duplicate_room_is_a_typed_error_and_leaves_the_room_alone() -> None:
+    s = DecodeSession()
+    senders = [SenderPlan(0, PeerRef("p", 0), aux=True)]
+    room = s.start_room(ROOM, senders, now=0.0)
+    with pytest.raises(DuplicateRoomError, match=f"room {ROOM} is already in use"):
+        s.start_room(ROOM, senders, now=0.0)
+    assert s.rooms[ROOM] is room
+    s.on_notification(ROOM, 0, PartKind.KV, 0, True)
+    assert s.on_notification(ROOM, 0, PartKind.AUX)[0].status is RoomStatus.SUCCESS  # type: ignore[union-attr]
+    with pytest.raises(DuplicateRoomError, match="finished SUCCESS"):
+        s.start_room(ROOM, senders, now=1.0)
+
+
+def test_peer_lost_fails_only_rooms_fed_by_that_peer() -> None:
+    s = DecodeSession()
+    a, b = PeerRef("p", 0), PeerRef("p", 1)
+    s.start_room(1, [SenderPlan(0, a, aux=True)], now=0.0)
+    s.start_room(2, [SenderPlan(1, b, aux=True)], now=0.0)
+    acts = s.on_peer_lost(a)
+    assert [x.room for x in acts] == [1] and acts[0].failure.kind is FailureKind.PEER_GONE  # type: ignore[union-attr]
+    assert list(s.rooms) == [2]
+
+
+def test_bad_plans_are_refused() -> None:
+    s = DecodeSession()
+    with pytest.raises(ValueError, match="no real"):
+        s.start_room(1, [SenderPlan(0, PeerRef("p", 0), is_dummy=True)], now=0.0)
+    with pytest.raises(ValueError, match="aux"):
+        s.start_room(1, [SenderPlan(0, PeerRef("p", 0))], now=0.0)
