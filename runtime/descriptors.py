@@ -98,3 +98,54 @@ class DescriptorTable:
             self.src_region[start:stop],
             self.dst_region[start:stop],
         )
+
+    def mergeable_pairs(self) -> npt.NDArray[np.intp]:
+        """Row pairs ``(i, j)`` that could be one descriptor: row j starts where row i ends on both
+        sides, in the same regions. Empty for a minimal table. Vectorised: sort by destination and
+        look up each row's destination end among destination starts."""
+        n = len(self)
+        if n < 2:
+            return np.zeros((0, 2), dtype=np.intp)
+        src_end = self.src_addr + self.length
+        dst_end = self.dst_addr + self.length
+        order = np.argsort(self.dst_addr, kind="stable")
+        starts = self.dst_addr[order]
+        lo = np.searchsorted(starts, dst_end, side="left")
+        hi = np.searchsorted(starts, dst_end, side="right")
+        pairs: list[npt.NDArray[np.intp]] = []
+        single = np.flatnonzero(hi - lo == 1)
+        if len(single):
+            j = order[lo[single]]
+            ok = (
+                (self.src_addr[j] == src_end[single])
+                & (self.src_region[j] == self.src_region[single])
+                & (self.dst_region[j] == self.dst_region[single])
+            )
+            pairs.append(np.stack([single[ok], j[ok]], axis=1).astype(np.intp))
+        for i in np.flatnonzero(hi - lo > 1):  # several rows start at one address: rare, check each
+            for j in order[lo[i] : hi[i]]:
+                if (
+                    self.src_addr[j] == src_end[i]
+                    and self.src_region[j] == self.src_region[i]
+                    and self.dst_region[j] == self.dst_region[i]
+                ):
+                    pairs.append(np.asarray([[i, j]], dtype=np.intp))
+        return np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.intp)
+
+    def rows_outside(self, src_regions: list[Region], dst_regions: list[Region]) -> npt.NDArray[np.intp]:
+        """Rows that name a missing region or do not lie inside the region they name, on either side."""
+        bad = np.zeros(len(self), dtype=bool)
+        for addr, region_col, regions in (
+            (self.src_addr, self.src_region, src_regions),
+            (self.dst_addr, self.dst_region, dst_regions),
+        ):
+            exists = region_col < len(regions)
+            ids = np.where(exists, region_col, 0)
+            bases = np.asarray([r.base for r in regions] or [0], dtype=np.uint64)[ids]
+            lengths = np.asarray([r.length for r in regions] or [0], dtype=np.uint64)[ids]
+            below = addr < bases
+            # Offsets and remaining room in u64 without ever forming base + length (may be 2**64).
+            offset = np.where(below, np.uint64(0), addr - np.where(below, addr, bases))
+            past = (offset > lengths) | (self.length > lengths - np.minimum(offset, lengths))
+            bad |= ~exists | below | past
+        return np.flatnonzero(bad)

@@ -1,0 +1,121 @@
+"""The hot path: index arrays in, one coalesced DescriptorTable out. Vectorised numpy, u64 only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from pdwire.runtime.descriptors import U32, U64, DescriptorTable
+from pdwire.runtime.planner.errors import DuplicateDestination, IndexListMismatch, IndexOutOfRange, PlanError
+from pdwire.runtime.planner.patterns import Pattern, coalesce
+
+IndexArray = npt.NDArray[np.integer] | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSet:
+    """Tensor-layers (entries) that share one pattern: every entry copies the same relative rows.
+
+    Per entry: base address and region index on each side, and how many items fit in its region
+    on each side (bounds), plus the names used in error messages.
+    """
+
+    component: str
+    tensors: tuple[str, ...]
+    layers: tuple[int, ...]
+    pattern: Pattern
+    src_bases: U64
+    dst_bases: U64
+    src_regions: U32
+    dst_regions: U32
+    src_capacity: U64
+    dst_capacity: U64
+
+
+def as_indices(values: IndexArray, *, component: str, side: str) -> U64:
+    """Validate an index list (integers, >= 0) and widen it to u64 before any multiplication."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise PlanError(
+            f"{side} indices must be one-dimensional, got shape {array.shape}", component=component
+        )
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if array.dtype.kind not in "iu":
+        raise PlanError(f"{side} indices must be integers, got dtype {array.dtype}", component=component)
+    if array.dtype.kind == "i" and int(array.min()) < 0:
+        position = int(np.argmax(array < 0))
+        raise IndexOutOfRange(
+            f"{side} index {int(array[position])} at position {position} is negative",
+            component=component,
+            index=int(array[position]),
+        )
+    return array.astype(np.uint64, copy=False)
+
+
+def paired_indices(src: IndexArray, dst: IndexArray, *, component: str) -> tuple[U64, U64]:
+    """Both lists, equal length, sorted by destination, no destination twice."""
+    s = as_indices(src, component=component, side="source")
+    d = as_indices(dst, component=component, side="destination")
+    if len(s) != len(d):
+        raise IndexListMismatch(
+            f"{len(s)} source indices but {len(d)} destination indices (never truncated)", component=component
+        )
+    if len(d) > 1:
+        steps = np.diff(d.astype(np.int64, copy=False)) if int(d.max()) < 2**63 else None
+        if steps is None or not bool((steps > 0).all()):
+            order = np.argsort(d, kind="stable")
+            s, d = s[order], d[order]
+            repeated = np.flatnonzero(d[1:] == d[:-1])
+            if len(repeated):
+                raise DuplicateDestination(
+                    f"destination index {int(d[repeated[0]])} appears twice",
+                    component=component,
+                    index=int(d[repeated[0]]),
+                )
+    return s, d
+
+
+def check_bounds(buffers: BufferSet, src: U64, dst: U64) -> None:
+    """Every item addressed must lie inside its registered region on both sides."""
+    if len(src) == 0:
+        return
+    for side, indices, capacity in (
+        ("source", src, buffers.src_capacity),
+        ("destination", dst, buffers.dst_capacity),
+    ):
+        highest = int(indices.max())
+        bad = np.flatnonzero(capacity <= np.uint64(highest))
+        if len(bad):
+            entry = int(bad[0])
+            limit = int(capacity[entry])
+            raise IndexOutOfRange(
+                f"{side} index {highest} outside the registered region ({limit} items fit)",
+                component=buffers.component,
+                tensor=buffers.tensors[entry],
+                layer=buffers.layers[entry],
+                index=highest,
+            )
+
+
+def expand(buffers: BufferSet, src: U64, dst: U64) -> DescriptorTable:
+    """Descriptors of every entry for index pairs sorted by destination; coalesced, hence minimal."""
+    pattern = buffers.pattern
+    if len(src) == 0 or len(pattern) == 0 or len(buffers.src_bases) == 0:
+        return DescriptorTable.empty()
+    check_bounds(buffers, src, dst)
+    rel_src = (src[:, None] * np.uint64(pattern.src_item) + pattern.src_off[None, :]).ravel()
+    rel_dst = (dst[:, None] * np.uint64(pattern.dst_item) + pattern.dst_off[None, :]).ravel()
+    rel_len = np.tile(pattern.length, len(src))
+    rel_src, rel_dst, rel_len = coalesce(rel_src, rel_dst, rel_len)
+    rows = len(rel_src)
+    entries = len(buffers.src_bases)
+    return DescriptorTable(
+        (buffers.src_bases[:, None] + rel_src[None, :]).ravel(),
+        (buffers.dst_bases[:, None] + rel_dst[None, :]).ravel(),
+        np.tile(rel_len, entries),
+        np.repeat(buffers.src_regions, rows),
+        np.repeat(buffers.dst_regions, rows),
+    )
