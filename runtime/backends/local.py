@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +21,6 @@ import numpy as np
 from pdwire.runtime.backends import shm
 from pdwire.runtime.backends.base import (
     DONE,
-    PENDING,
     Backend,
     HostBuffer,
     Notification,
@@ -38,23 +35,10 @@ from pdwire.runtime.backends.base import (
     failed,
     pid_alive,
 )
+from pdwire.runtime.backends.worker import Job, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 _CANCEL_CHECK_ROWS = 256  # rows between checks of the cancel flag and the peer's liveness
-
-
-@dataclass(eq=False)
-class _Job:
-    src: list[int]
-    dst: list[int]
-    length: list[int]
-    peer_pid: int
-    peer_name: str
-    inbox: str
-    notification: bytes
-    cancel: bool = False
-    status: TransferStatus = field(default=PENDING)
-    finished: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -90,9 +74,7 @@ class LocalBackend(Backend):
         self._stem = shm.make_stem(os.urandom(4).hex())
         self._buffers: list[tuple[shm.Mapping, HostBuffer]] = []
         self._inbox = shm.Inbox.create(f"{self._stem}.inbox")
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name=f"pdwire-local-{self.agent_name}", daemon=True)
-        self._worker.start()
+        self._worker = JobWorker(f"pdwire-local-{self.agent_name}")
 
     # ---- memory
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -154,62 +136,40 @@ class LocalBackend(Backend):
         pm: _PeerMaps = handle.peer.engine
         # uint64 arithmetic wraps modulo 2**64, which is exactly the address translation.
         dst_local = table.dst_addr + pm.deltas(handle.peer)[table.dst_region]
-        job = _Job(
-            table.src_addr.tolist(),
-            dst_local.tolist(),
-            table.length.tolist(),
-            handle.peer.pid,
-            handle.peer.agent_name,
-            pm.inbox,
-            notification,
-        )
-        handle.engine = job
-        self._jobs.put(job)
+        src, dst, length = table.src_addr.tolist(), dst_local.tolist(), table.length.tolist()
+        peer = handle.peer
+        inbox = pm.inbox
 
-    def _run(self) -> None:
-        memmove = ctypes.memmove
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job.status = self._execute(job, memmove)
-            except Exception as exc:  # never let the worker die: report the transfer failed
-                job.status = failed(f"local copy failed: {exc!r}")
-            job.finished.set()
-
-    def _execute(self, job: _Job, memmove: Any) -> TransferStatus:
-        if job.cancel:
-            return failed("cancelled")
-        if not pid_alive(job.peer_pid):
-            return failed(f"peer {job.peer_name!r} (pid {job.peer_pid}) is gone")
-        for i, (s, d, n) in enumerate(zip(job.src, job.dst, job.length, strict=True)):
-            if i % _CANCEL_CHECK_ROWS == _CANCEL_CHECK_ROWS - 1 and job.cancel:
+        def run(job: Job) -> TransferStatus:
+            if not pid_alive(peer.pid):
+                return failed(f"peer {peer.agent_name!r} (pid {peer.pid}) is gone")
+            memmove = ctypes.memmove  # releases the GIL while it copies
+            for i, (s, d, n) in enumerate(zip(src, dst, length, strict=True)):
+                if i % _CANCEL_CHECK_ROWS == _CANCEL_CHECK_ROWS - 1 and job.cancel:
+                    return failed("cancelled")
+                memmove(d, s, n)
+            if job.cancel:
                 return failed("cancelled")
-            memmove(d, s, n)
-        if job.cancel:
-            return failed("cancelled")
-        if not pid_alive(job.peer_pid):
-            return failed(f"peer {job.peer_name!r} (pid {job.peer_pid}) died before the notification")
-        try:
-            shm.send(job.inbox, self.agent_name, job.notification)
-        except OSError as exc:
-            return failed(f"peer {job.peer_name!r} inbox unavailable: {exc}")
-        return DONE
+            if not pid_alive(peer.pid):
+                return failed(f"peer {peer.agent_name!r} (pid {peer.pid}) died before the notification")
+            try:
+                shm.send(inbox, self.agent_name, notification)
+            except OSError as exc:
+                return failed(f"peer {peer.agent_name!r} inbox unavailable: {exc}")
+            return DONE
+
+        handle.engine = self._worker.submit(run)
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
-        job: _Job = handle.engine
-        return job.status if job.finished.is_set() else PENDING
+        job: Job = handle.engine
+        return job.poll()
 
     def _abort(self, handle: TransferHandle) -> None:
-        job: _Job | None = handle.engine
-        if job is None:
-            return
-        job.cancel = True
-        # Wait for the worker to leave this job (at most one row copy) before anyone unmaps
-        # the peer's memory; queued jobs are skipped when the worker reaches them.
-        if not job.finished.wait(timeout=10.0):
-            pass
+        job: Job | None = handle.engine
+        if job is not None:
+            # Wait for the worker to leave this job (a few row copies at most) before anyone
+            # unmaps the peer's memory; queued jobs are skipped when the worker reaches them.
+            job.abort(wait_s=10.0)
 
     def _release(self, handle: TransferHandle) -> None:
         handle.engine = None
@@ -218,8 +178,7 @@ class LocalBackend(Backend):
         return [Notification(s, p) for s, p in self._inbox.receive()]
 
     def _close(self) -> None:
-        self._jobs.put(None)
-        self._worker.join(timeout=10.0)
+        self._worker.stop()
         shm.remove_path(self._inbox.path)
         for m, buf in self._buffers:
             shm.remove_path(m.path)

@@ -43,14 +43,13 @@ from pdwire.runtime.backends.base import (
     TransferError,
     TransferHandle,
     TransferStatus,
+    aligned_zeros,
     batches,
     decode_envelope,
     encode_envelope,
     failed,
 )
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
-
-PAGE = 4096
 
 
 @dataclass
@@ -60,15 +59,6 @@ class _Xfer:
     notification: bytes
     notify_after: bool  # send_notif once every batch is DONE
     status: TransferStatus = field(default=PENDING)
-
-
-def aligned_zeros(nbytes: int, align: int = PAGE) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """Zeroed, page-aligned, pre-faulted host memory (writing the zeros faults every page)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    arr = raw[off : off + nbytes]
-    arr.fill(0)
-    return arr
 
 
 class NixlBackend(Backend):
