@@ -1,0 +1,241 @@
+"""MoRI adapter: drives MoRI's IO engine API through pdwire's backend contract.
+
+MoRI addresses memory as *descriptor + offset*: ``register_memory`` returns a
+``MemoryDesc`` per region, peers exchange packed descriptors (``region_descs`` of
+:class:`~.base.PeerMetadata`, the wire's per-component memory-descriptor blobs), and
+``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids)``
+moves rows given as offsets relative to each descriptor's base. The adapter turns a
+DescriptorTable into that shape with ``src_region`` / ``dst_region``: rows are grouped by
+(src region, dst region), offsets are ``addr - desc.data``, each group (cut into chunks
+of at most ``max_rows``) gets its own transfer uid, and the transfer is DONE when every
+returned status ``Succeeded()``; any ``Failed()`` makes it FAILED with MoRI's message.
+
+MoRI has no completion notification (SGLang sends its own status over ZMQ), so the
+adapter delivers the notification itself after every status succeeded, through a
+same-host inbox directory (:mod:`.shm`). With real MoRI across hosts that hook would be
+replaced by the control plane.
+
+Only ``mori-fake`` (:class:`MoriFakeBackend`, over :mod:`.mori_fake`) runs here: MoRI
+itself cannot be installed on this project's machines.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pdwire.runtime.backends import mori_fake, shm
+from pdwire.runtime.backends.base import (
+    DONE,
+    PENDING,
+    Backend,
+    HostBuffer,
+    Notification,
+    Peer,
+    PeerError,
+    PeerMetadata,
+    RegistrationError,
+    TransferError,
+    TransferHandle,
+    TransferStatus,
+    batches,
+    decode_envelope,
+    encode_envelope,
+    failed,
+    pid_alive,
+)
+from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
+
+
+@dataclass
+class _Remote:
+    engine_desc: Any
+    mem_descs: list[Any]
+    inbox: str
+
+
+@dataclass
+class _Xfer:
+    statuses: list[Any]
+    notification: bytes
+    status: TransferStatus = field(default=PENDING)
+
+
+class MoriBackend(Backend):
+    """The adapter; ``api`` is the module providing MoRI's names (``mori.io`` or the fake)."""
+
+    name = "mori"
+
+    def __init__(
+        self,
+        api: Any,
+        agent_name: str | None = None,
+        transfer_timeout_s: float = 30.0,
+        max_rows: int = 4096,
+        allocator: Callable[[str, int], HostBuffer] | None = None,
+    ) -> None:
+        super().__init__(agent_name, transfer_timeout_s)
+        self._api = api
+        self.max_rows = max_rows
+        self._engine = api.IOEngine(self.agent_name, api.IOEngineConfig("127.0.0.1", 0))
+        self._engine.create_backend(api.BackendType.RDMA)
+        self._mem_descs: list[Any] = []
+        self._allocator = allocator
+        self._inbox = shm.Inbox.create(f"{shm.make_stem(os.urandom(4).hex())}.inbox")
+
+    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
+        if self._allocator is None:
+            raise RegistrationError("this MoRI backend has no allocator: register your own tensors' memory")
+        return self._allocator(name, nbytes)
+
+    def _register(self, regions: list[Region]) -> None:
+        api = self._api
+        for r in regions:
+            loc = api.MemoryLocationType.GPU if r.kind is MemoryKind.VRAM else api.MemoryLocationType.CPU
+            dev = r.device_id if r.kind is MemoryKind.VRAM else -1
+            try:
+                self._mem_descs.append(self._engine.register_memory(r.base, r.length, dev, loc))
+            except Exception as exc:
+                raise RegistrationError(f"MoRI register_memory refused region {r.name!r}: {exc}") from None
+
+    def _local_metadata(self) -> PeerMetadata:
+        engine = self._engine.get_engine_desc().pack()
+        env = encode_envelope(self.name, self.agent_name, self.regions, engine, {"inbox": self._inbox.path})
+        return PeerMetadata(self.agent_name, env, tuple(d.pack() for d in self._mem_descs))
+
+    def _add_peer(self, metadata: PeerMetadata) -> Peer:
+        md = decode_envelope(self.name, metadata)
+        api = self._api
+        try:
+            edesc = api.EngineDesc.unpack(md.engine)
+            mdescs = [api.MemoryDesc.unpack(b) for b in metadata.region_descs]
+        except Exception as exc:
+            raise PeerError(f"peer {md.agent_name!r}: undecodable MoRI descriptors: {exc}") from None
+        if len(mdescs) != len(md.regions):
+            raise PeerError(
+                f"peer {md.agent_name!r} sent {len(mdescs)} memory descriptors for {len(md.regions)} regions"
+            )
+        for i, (d, r) in enumerate(zip(mdescs, md.regions, strict=True)):
+            if d.data != r.base or d.size != r.length:
+                raise PeerError(
+                    f"peer {md.agent_name!r}: memory descriptor {i} does not describe region {r.name!r}"
+                )
+        self._engine.register_remote_engine(edesc)
+        return Peer(md.agent_name, md.regions, md.pid, _Remote(edesc, mdescs, str(md.extra.get("inbox", ""))))
+
+    def _remove_peer(self, peer: Peer) -> None:
+        rem: _Remote = peer.engine
+        self._engine.deregister_remote_engine(rem.engine_desc)
+
+    def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
+        rem: _Remote = handle.peer.engine
+        if len(rem.mem_descs) < len(handle.peer.regions):
+            raise PeerError(f"peer {handle.peer.agent_name!r} has no memory descriptor for some regions")
+        # One batch_write entry per (src region, dst region) group and chunk; offsets are
+        # relative to the registered descriptors, never absolute addresses.
+        pair = table.src_region.astype(np.uint64) << np.uint64(32) | table.dst_region.astype(np.uint64)
+        order = np.argsort(pair, kind="stable")
+        keys, starts = np.unique(pair[order], return_index=True)
+        bounds = [*starts.tolist(), len(order)]
+        lds, los, rds, ros, szs, uids = [], [], [], [], [], []
+        for k, key in enumerate(keys.tolist()):
+            rows = order[bounds[k] : bounds[k + 1]]
+            ld, rd = self._mem_descs[key >> 32], rem.mem_descs[key & 0xFFFFFFFF]
+            loff = (table.src_addr[rows] - np.uint64(ld.data)).tolist()
+            roff = (table.dst_addr[rows] - np.uint64(rd.data)).tolist()
+            size = table.length[rows].tolist()
+            for a, b in batches(len(rows), self.max_rows):
+                lds.append(ld)
+                rds.append(rd)
+                los.append(loff[a:b])
+                ros.append(roff[a:b])
+                szs.append(size[a:b])
+                uids.append(self._engine.allocate_transfer_uid())
+        try:
+            statuses = self._engine.batch_write(lds, los, rds, ros, szs, uids)
+        except Exception as exc:
+            raise TransferError(f"MoRI batch_write to {handle.peer.agent_name!r} raised: {exc}") from None
+        handle.engine = _Xfer(list(statuses), notification)
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        x: _Xfer = handle.engine
+        if x.status.finished:
+            return x.status
+        for st in x.statuses:
+            if st.Failed():
+                x.status = failed(f"MoRI status {st.Code()!r}: {st.Message()}")
+                return x.status
+        if any(st.InProgress() for st in x.statuses):
+            return PENDING
+        peer = handle.peer
+        rem: _Remote = peer.engine
+        if not pid_alive(peer.pid):
+            x.status = failed(f"peer {peer.agent_name!r} (pid {peer.pid}) is gone")
+            return x.status
+        try:
+            shm.send(rem.inbox, self.agent_name, x.notification)
+        except OSError as exc:
+            x.status = failed(f"peer {peer.agent_name!r} inbox unavailable: {exc}")
+            return x.status
+        x.status = DONE
+        return DONE
+
+    def _abort(self, handle: TransferHandle) -> None:
+        x: _Xfer | None = handle.engine
+        if x is None:
+            return
+        # MoRI cannot cancel a posted write: wait briefly so peer memory is not dropped under it.
+        for st in x.statuses:
+            st.Wait(1.0)
+        if not x.status.finished:
+            x.status = failed("cancelled")
+
+    def _release(self, handle: TransferHandle) -> None:
+        handle.engine = None
+
+    def _receive_notifications(self) -> list[Notification]:
+        return [Notification(s, p) for s, p in self._inbox.receive()]
+
+    def _close(self) -> None:
+        for d in self._mem_descs:
+            self._engine.deregister_memory(d)
+        self._mem_descs.clear()
+        shutdown = getattr(self._engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        shm.remove_path(self._inbox.path)
+
+
+class MoriFakeBackend(MoriBackend):
+    """The adapter over :mod:`.mori_fake`, with /dev/shm memory so processes can share it."""
+
+    name = "mori-fake"
+
+    def __init__(
+        self, agent_name: str | None = None, transfer_timeout_s: float = 30.0, max_rows: int = 4096
+    ) -> None:
+        shm.reap_dead()
+        self._stem = shm.make_stem(os.urandom(4).hex())
+        self._maps: list[shm.Mapping] = []
+        self._bufs: list[HostBuffer] = []
+        super().__init__(mori_fake, agent_name, transfer_timeout_s, max_rows, allocator=self._shm_allocate)
+
+    def _shm_allocate(self, name: str, nbytes: int) -> HostBuffer:
+        m = shm.Mapping(f"{self._stem}-{len(self._maps)}-{shm.safe_token(name)}", nbytes, create=True)
+        assert m.array is not None
+        buf = HostBuffer(name, m.array)
+        self._maps.append(m)
+        self._bufs.append(buf)
+        return buf
+
+    def _close(self) -> None:
+        super()._close()
+        for m, buf in zip(self._maps, self._bufs, strict=True):
+            shm.remove_path(m.path)
+            buf.array = np.zeros(0, dtype=np.uint8)
+            m.close()
+        self._maps.clear()
+        self._bufs.clear()
