@@ -1,0 +1,157 @@
+"""Deterministic cache content for the demo, and byte-for-byte verification of it.
+
+For each room there is one "full" (unsharded) tensor per cache tensor, generated from
+``(seed, room)`` alone. A prefill rank writes its TP shard of it into the room's source
+pages/slots; a decode rank derives the shard it must hold from the same full tensor with
+plain torch slicing (independently of the planner), compares its destination slots byte
+for byte, and then resets them to the sentinel so that, at the end, every byte of its
+pools must be the sentinel again: a write outside a destination slot cannot hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from pdwire.runtime.demo_model import ModelSpec, RankCaches
+from pdwire.runtime.planner import heads_held
+
+SENTINEL = 0x5A5A  # int16 fill of every decode pool byte that no finished room owns
+I32 = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSlots:
+    """Where one room lives on one rank: KV pages, Mamba slot, SWA pages, aux item."""
+
+    pages: I32
+    slot: int
+    swa_pages: I32
+    aux: int
+
+    def indices(self, name: str) -> I32:
+        if name.startswith(("kv.", "dsa.")):
+            return self.pages
+        if name.startswith("swa."):
+            return self.swa_pages
+        if name.startswith("mamba."):
+            return np.asarray([self.slot], dtype=np.int32)
+        return np.asarray([self.aux], dtype=np.int32)
+
+    def state_indices(self, spec: ModelSpec) -> list[I32]:
+        """Per-component index lists in component order (what a TransferRequest carries)."""
+        if spec.mla:
+            return [self.swa_pages, self.pages]  # SWA pages, DSA indexer on the KV page ids
+        return [np.asarray([self.slot], dtype=np.int32), self.swa_pages]
+
+
+def pages_for(spec: ModelSpec, tokens: int) -> tuple[int, int]:
+    """(KV pages, SWA pages) of a prompt of ``tokens`` tokens."""
+    pages = -(-tokens // spec.page_size)
+    return pages, min(pages, spec.swa_window_pages)
+
+
+def full_tensors(spec: ModelSpec, seed: int, room: int, tokens: int) -> dict[str, torch.Tensor]:
+    """The unsharded content of every cache tensor for one room, layers first."""
+    pages, swa_pages = pages_for(spec, tokens)
+    n, nswa = pages * spec.page_size, swa_pages * spec.page_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.mla:
+        shapes["kv.latent"] = (spec.layers, n, 1, spec.latent_dim)
+        shapes["swa.latent"] = (spec.swa_layers, nswa, spec.latent_dim)
+        shapes["dsa.index_k"] = (spec.dsa_layers, n, spec.dsa_dim)
+    else:
+        shapes["kv.k"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
+        shapes["kv.v"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
+        shapes["mamba.conv"] = (spec.mamba_layers, spec.conv_channels, spec.conv_width)
+        shapes["mamba.temporal"] = (spec.mamba_layers, spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)
+        shapes["swa.k"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
+        shapes["swa.v"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
+    shapes["aux"] = (1, spec.aux_bytes // 2)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + room) % (1 << 63))
+    return {
+        k: torch.randint(-(1 << 15), 1 << 15, s, dtype=torch.int16, generator=g) for k, s in shapes.items()
+    }
+
+
+def shard(spec: ModelSpec, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The part of ``full`` that TP rank ``rank`` of ``tp`` holds (plain slicing, no planner)."""
+    if spec.mla or name == "aux":
+        return full  # MLA latent, SWA latent, DSA indexer and aux are replicated
+    if name in ("kv.k", "kv.v", "swa.k", "swa.v"):
+        lo, hi = heads_held(tp, rank, spec.kv_heads)
+        return full[:, :, lo:hi]
+    if name == "mamba.temporal":
+        per = spec.ssm_heads // tp
+        return full[:, rank * per : (rank + 1) * per]
+    if name == "mamba.conv":
+        parts, offset = [], 0
+        for block in spec.conv_blocks:  # q|k|v: each sub-block is sharded on its own
+            per = block // tp
+            parts.append(full[:, offset + rank * per : offset + (rank + 1) * per])
+            offset += block
+        return torch.cat(parts, dim=1)
+    raise KeyError(name)
+
+
+def _placed(view: torch.Tensor, idx: I32, part: torch.Tensor) -> torch.Tensor:
+    return part.reshape((len(idx), *view.shape[1:]))
+
+
+def fill(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> None:
+    """Write this rank's shard of one room's content into its slots (the prefill side)."""
+    for name, per_layer in caches.tensors.items():
+        idx = torch.from_numpy(slots.indices(name).astype(np.int64))
+        part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
+        for layer, view in enumerate(per_layer):
+            view[idx] = _placed(view, slots.indices(name), part[layer])
+
+
+def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> list[str]:
+    """Compare one room's destination slots with the expected shard; one line per mismatch."""
+    problems = []
+    for name, per_layer in caches.tensors.items():
+        idx_np = slots.indices(name)
+        idx = torch.from_numpy(idx_np.astype(np.int64))
+        part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
+        for layer, view in enumerate(per_layer):
+            got, want = view[idx], _placed(view, idx_np, part[layer])
+            bad = got != want
+            if bool(bad.any()):
+                where = tuple(int(i) for i in bad.nonzero()[0])
+                problems.append(
+                    f"{name} layer {layer}: {int(bad.sum())} of {bad.numel()} elements differ "
+                    f"(first at {where}: got {int(got[where])}, want {int(want[where])})"
+                )
+    return problems
+
+
+def reset(caches: RankCaches, slots: RoomSlots) -> None:
+    """Give a room's slots back to the sentinel (a verified room's pages are free again)."""
+    for name, per_layer in caches.tensors.items():
+        idx = torch.from_numpy(slots.indices(name).astype(np.int64))
+        for view in per_layer:
+            view[idx] = SENTINEL
+
+
+def fill_sentinel(caches: RankCaches) -> None:
+    for per_layer in caches.tensors.values():
+        for view in per_layer:
+            view.fill_(SENTINEL)
+
+
+def untouched_problems(caches: RankCaches) -> list[str]:
+    """Every pool byte must be the sentinel once all rooms are verified and reset."""
+    out = []
+    for name, per_layer in caches.tensors.items():
+        for layer, view in enumerate(per_layer):
+            bad = view != SENTINEL
+            if bool(bad.any()):
+                first = tuple(int(i) for i in bad.nonzero()[0])
+                out.append(
+                    f"{name} layer {layer}: {int(bad.sum())} elements written outside any room "
+                    f"(first {first})"
+                )
+    return out

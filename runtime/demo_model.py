@@ -1,0 +1,248 @@
+"""The demo's small hybrid model: one rank's transfer memory, laid out as torch tensors.
+
+A rank holds, in one buffer allocated through the transfer backend (so engines can register
+it), int16 tensors shaped like a small hybrid model's caches:
+
+* attention KV pool, per layer ``[pages, page_size, heads_local, head_dim]`` for K and for V
+  (NHD), or for MLA one latent ``[pages, page_size, 1, latent_dim]`` per layer;
+* non-MLA: a Mamba component (per Mamba layer a conv state ``[slots, conv_local, width]``
+  whose channels are the concatenation of independently sharded q|k|v sub-blocks, and a
+  temporal state ``[slots, ssm_heads_local, ssm_head_dim, ssm_state]``) plus an SWA pool
+  sharded by KV head like the KV pool;
+* MLA: an SWA pool and a DSA indexer pool, both replicated across TP (the DSA indexer uses
+  the KV page ids);
+* one aux buffer ``[aux_slots, aux_bytes]``.
+
+The same :class:`ModelSpec` describes the planner's :class:`RankMemory` for the rank, so the
+registration and the tensors cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from pdwire.runtime.descriptors import MemoryKind, Region
+from pdwire.runtime.planner import (
+    AuxBuffer,
+    HeadGeometry,
+    Indexing,
+    KvPool,
+    Layout,
+    RankMemory,
+    RankPosition,
+    StateComponent,
+    StateKind,
+    StateTensor,
+    heads_held,
+    regions,
+)
+
+ELEM = 2  # bytes per element: every cache tensor is int16 (bit patterns, never arithmetic)
+ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes of the demo model; every TP-sharded size must divide by both TP sizes."""
+
+    layers: int = 4
+    kv_heads: int = 8
+    head_dim: int = 64
+    page_size: int = 16
+    mla: bool = False
+    latent_dim: int = 96  # MLA: latent elements per token
+    mamba_layers: int = 2
+    conv_blocks: tuple[int, ...] = (32, 32, 64)  # full q|k|v conv channels
+    conv_width: int = 3
+    ssm_heads: int = 8
+    ssm_head_dim: int = 8
+    ssm_state: int = 16
+    swa_layers: int = 2
+    swa_window_pages: int = 4
+    dsa_layers: int = 2
+    dsa_dim: int = 32
+    aux_bytes: int = 64
+
+    @property
+    def conv_channels(self) -> int:
+        return sum(self.conv_blocks)
+
+    def fingerprint(self) -> bytes:
+        """Identity of the model: both sides must hold the same one (weights and geometry)."""
+        return hashlib.sha256(repr(self).encode()).digest()[:16]
+
+    def component_kinds(self) -> tuple[StateKind, ...]:
+        return (StateKind.SWA, StateKind.DSA) if self.mla else (StateKind.MAMBA, StateKind.SWA)
+
+    def check_tp(self, tp: int) -> None:
+        sharded = [] if self.mla else [self.kv_heads, *self.conv_blocks, self.ssm_heads]
+        for size in sharded:
+            if size % tp:
+                raise ValueError(f"model size {size} does not divide by TP {tp}; pick sizes divisible by TP")
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """How many pages/slots/items each pool of a rank holds."""
+
+    pages: int
+    slots: int  # Mamba slots; slot 0 is the dummy slot and never handed out
+    swa_pages: int
+    aux_items: int
+
+
+@dataclass
+class RankCaches:
+    """One rank's cache tensors (views into ``buffer``) and their planner description."""
+
+    spec: ModelSpec
+    position: RankPosition
+    capacity: Capacity
+    buffer: torch.Tensor  # the flat uint8 backing store
+    tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per layer
+    memory: RankMemory = field(init=False)
+
+    @property
+    def tp(self) -> int:
+        return self.position.tp_size
+
+    @property
+    def rank(self) -> int:
+        return self.position.tp_rank
+
+    def regions(self) -> list[Region]:
+        return regions(self.memory)
+
+    def address(self, t: torch.Tensor) -> int:
+        return int(t.data_ptr())
+
+
+def _local_heads(spec: ModelSpec, tp: int, rank: int) -> int:
+    lo, hi = heads_held(tp, rank, spec.kv_heads)
+    return hi - lo
+
+
+def tensor_shapes(
+    spec: ModelSpec, tp: int, rank: int, cap: Capacity
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (per-layer shape, number of layers), in region order (KV K, KV V, state, aux)."""
+    hl = _local_heads(spec, tp, rank)
+    ps = spec.page_size
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    if spec.mla:
+        out["kv.latent"] = ((cap.pages, ps, 1, spec.latent_dim), spec.layers)
+        out["swa.latent"] = ((cap.swa_pages, ps, spec.latent_dim), spec.swa_layers)
+        out["dsa.index_k"] = ((cap.pages, ps, spec.dsa_dim), spec.dsa_layers)
+    else:
+        out["kv.k"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
+        out["kv.v"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
+        out["mamba.conv"] = ((cap.slots, spec.conv_channels // tp, spec.conv_width), spec.mamba_layers)
+        out["mamba.temporal"] = (
+            (cap.slots, spec.ssm_heads // tp, spec.ssm_head_dim, spec.ssm_state),
+            spec.mamba_layers,
+        )
+        out["swa.k"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
+        out["swa.v"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
+    out["aux"] = ((cap.aux_items, spec.aux_bytes // ELEM), 1)
+    return out
+
+
+def bytes_needed(spec: ModelSpec, tp: int, rank: int, cap: Capacity) -> int:
+    total = 0
+    for shape, layers in tensor_shapes(spec, tp, rank, cap).values():
+        per = int(np.prod(shape)) * ELEM
+        total += layers * (-(-per // ALIGN) * ALIGN)
+    return total
+
+
+def build_caches(
+    spec: ModelSpec, tp: int, rank: int, cap: Capacity, backing: npt.NDArray[np.uint8]
+) -> RankCaches:
+    """Carve the cache tensors out of ``backing`` (a flat uint8 array from ``Backend.allocate``)."""
+    spec.check_tp(tp)
+    flat = torch.from_numpy(backing)  # shares memory: writes land in the registered buffer
+    caches = RankCaches(spec, RankPosition(tp, rank), cap, flat)
+    offset = 0
+    for name, (shape, layers) in tensor_shapes(spec, tp, rank, cap).items():
+        per = int(np.prod(shape)) * ELEM
+        views = []
+        for _ in range(layers):
+            views.append(flat[offset : offset + per].view(torch.int16).view(shape))
+            offset += -(-per // ALIGN) * ALIGN
+        caches.tensors[name] = views
+    if offset > flat.numel():
+        raise ValueError(f"backing buffer of {flat.numel()} bytes is smaller than the {offset} needed")
+    caches.memory = _describe(caches)
+    return caches
+
+
+def _bases(ts: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(int(t.data_ptr()) for t in ts)
+
+
+def _lens(ts: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.numel() * ELEM for t in ts)
+
+
+def _per_item(ts: list[torch.Tensor]) -> int:
+    return (ts[0].numel() // ts[0].shape[0]) * ELEM
+
+
+def _describe(c: RankCaches) -> RankMemory:
+    spec, t, tp = c.spec, c.tensors, c.tp
+    hl = _local_heads(spec, tp, c.rank)
+    dram = MemoryKind.DRAM
+    if spec.mla:
+        lat = t["kv.latent"]
+        kv = KvPool(
+            _bases(lat), (), _lens(lat), _per_item(lat), spec.page_size, Layout.NHD, 1, 1,
+            spec.latent_dim * ELEM, is_mla=True, memory_kind=dram,
+        )  # fmt: skip
+        swa = t["swa.latent"]
+        dsa = t["dsa.index_k"]
+        state = (
+            StateComponent(
+                StateKind.SWA, Indexing.PAGE,
+                (StateTensor("latent", _bases(swa), _lens(swa), _per_item(swa)),),
+                replicated=True, memory_kind=dram,
+            ),
+            StateComponent(
+                StateKind.DSA, Indexing.PAGE,
+                (StateTensor("index_k", _bases(dsa), _lens(dsa), _per_item(dsa)),),
+                replicated=True, memory_kind=dram,
+            ),
+        )  # fmt: skip
+    else:
+        k, v = t["kv.k"], t["kv.v"]
+        kv = KvPool(
+            _bases(k), _bases(v), _lens(k), _per_item(k), spec.page_size, Layout.NHD, hl, spec.kv_heads,
+            spec.head_dim * ELEM, memory_kind=dram,
+        )  # fmt: skip
+        conv, temporal = t["mamba.conv"], t["mamba.temporal"]
+        sk, sv = t["swa.k"], t["swa.v"]
+        state = (
+            StateComponent(
+                StateKind.MAMBA, Indexing.SLOT,
+                (
+                    StateTensor("conv", _bases(conv), _lens(conv), _per_item(conv),
+                                spec.conv_channels // tp, tuple(spec.conv_blocks)),
+                    StateTensor("temporal", _bases(temporal), _lens(temporal), _per_item(temporal),
+                                spec.ssm_heads // tp),
+                ),
+                memory_kind=dram,
+            ),
+            StateComponent(
+                StateKind.SWA, Indexing.PAGE,
+                (StateTensor("k", _bases(sk), _lens(sk), _per_item(sk)),
+                 StateTensor("v", _bases(sv), _lens(sv), _per_item(sv))),
+                heads=HeadGeometry(spec.page_size, Layout.NHD, hl, spec.kv_heads, spec.head_dim * ELEM),
+                memory_kind=dram,
+            ),
+        )  # fmt: skip
+    aux = t["aux"][0]
+    aux_buf = AuxBuffer("out", int(aux.data_ptr()), aux.numel() * ELEM, spec.aux_bytes)
+    return RankMemory(c.position, kv, state, (aux_buf,))
