@@ -1,1 +1,1 @@
-"""Package marker; see the README for what lives here."""
+"""The YAML schemas of pdwire's wire protocols (package data; see README.md here)."""

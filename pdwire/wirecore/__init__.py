@@ -1,1 +1,5 @@
-"""Package marker; see the README for what lives here."""
+"""Hand-written support library of the generated codecs (``pdwire.wire``).
+
+Pure and protocol-agnostic apart from :mod:`.migrations`: errors, the fixed header frame,
+packed-array helpers, msgspec error translation and version agreement.
+"""

@@ -1,0 +1,73 @@
+"""The YAML schema document, as msgspec structs.
+
+The YAML is parsed with ``yaml.safe_load`` and then converted into these structs with
+``msgspec.convert``; unknown keys are refused so a typo never passes silently. Semantics
+(type names, version order, id rules) are checked later by :mod:`.loader` and
+:mod:`.evolution`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+Scalar = bool | int | str | None
+DefaultValue = Scalar | list[Scalar]
+
+
+class FieldDoc(msgspec.Struct, forbid_unknown_fields=True):
+    id: int
+    name: str
+    type: str
+    default: DefaultValue | msgspec.UnsetType = msgspec.UNSET
+    since: str | None = None
+    removed: str | None = None
+    deprecated: bool | str = False
+    doc: str = ""
+    # encoding of this field in a positional layout (unused by the envelope layout)
+    encoding: str | None = None
+
+
+class ReservedDoc(msgspec.Struct, forbid_unknown_fields=True):
+    id: int
+    name: str
+    doc: str = ""
+
+
+class MessageDoc(msgspec.Struct, forbid_unknown_fields=True):
+    fields: list[FieldDoc]
+    type_id: int | None = None
+    since: str = "1.0"
+    doc: str = ""
+    reserved: list[ReservedDoc] = []
+
+
+class EnumDoc(msgspec.Struct, forbid_unknown_fields=True):
+    values: dict[str, int]
+    doc: str = ""
+    since: str = "1.0"
+    # value name -> version it appeared in, for values added after the enum itself
+    value_since: dict[str, str] = {}
+    reserved: list[int] = []
+
+
+class VersionDoc(msgspec.Struct, forbid_unknown_fields=True):
+    version: str
+    doc: str = ""
+    # messages whose step into this version needs the hand-written migration hooks
+    migrate: list[str] = []
+
+
+class ReservedTypeDoc(msgspec.Struct, forbid_unknown_fields=True):
+    type_id: int
+    name: str
+
+
+class ProtocolDoc(msgspec.Struct, forbid_unknown_fields=True):
+    protocol: str
+    protocol_id: int
+    versions: list[VersionDoc]
+    messages: dict[str, MessageDoc]
+    layout: str = "envelope"
+    enums: dict[str, EnumDoc] = {}
+    migrations: str | None = None
+    reserved_types: list[ReservedTypeDoc] = []

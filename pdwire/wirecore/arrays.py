@@ -1,0 +1,152 @@
+"""Packed little-endian numeric arrays: encoding, zero-copy decoding, equality.
+
+On the wire a packed array is either inline msgpack ``bin`` in the body or, when at least
+:data:`SIDE_FRAME_MIN_BYTES` long and the caller allows it, a frame of its own that the
+body references by frame index. Decoding never copies: arrays are ``np.frombuffer`` views
+(read-only) of the received bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ArrayError, EncodeError, FrameCountError
+
+# Arrays at least this long travel as their own frame in the multipart form (never copied
+# into the body). The choice is deterministic, so re-encoding a decoded message is byte-identical.
+SIDE_FRAME_MIN_BYTES = 1024
+
+I32 = np.dtype("<i4")
+U32 = np.dtype("<u4")
+U64 = np.dtype("<u8")
+
+Buffer = bytes | bytearray | memoryview
+WireArray = bytes | memoryview | int
+SideFrames = list[Buffer]
+
+_EMPTY: dict[np.dtype[Any], npt.NDArray[Any]] = {}
+
+
+def empty(dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """A shared, read-only empty array of ``dtype`` (a default value)."""
+    arr = _EMPTY.get(dtype)
+    if arr is None:
+        arr = np.empty(0, dtype=dtype)
+        arr.flags.writeable = False
+        _EMPTY[dtype] = arr
+    return arr
+
+
+def empty_i32() -> npt.NDArray[np.int32]:
+    return empty(I32)
+
+
+def empty_u32() -> npt.NDArray[np.uint32]:
+    return empty(U32)
+
+
+def empty_u64() -> npt.NDArray[np.uint64]:
+    return empty(U64)
+
+
+def _coerce(value: object, dtype: np.dtype[Any], where: str) -> npt.NDArray[Any]:
+    """Convert ``value`` to a 1-D C-contiguous array of ``dtype`` without ever wrapping a number."""
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # numpy raises many types for ragged or odd input
+        raise EncodeError(f"cannot be read as an array: {exc}", field=where) from None
+    if arr.ndim != 1:
+        raise EncodeError(f"must be one-dimensional, got shape {arr.shape}", field=where)
+    if arr.size == 0:
+        return empty(dtype)
+    if arr.dtype.kind not in "iu":
+        raise EncodeError(f"must hold integers, got dtype {arr.dtype}", field=where)
+    info = np.iinfo(dtype)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < info.min or hi > info.max:
+        raise EncodeError(f"values [{lo}, {hi}] do not fit {dtype.name}", field=where)
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
+    """Encode one packed array: inline bytes, or a side-frame index when ``side`` is given and it is large."""
+    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1 and value.flags.c_contiguous:
+        arr: npt.NDArray[Any] = value
+    else:
+        arr = _coerce(value, dtype, where)
+    view = arr.data.cast("B")
+    if side is None or len(view) < SIDE_FRAME_MIN_BYTES:
+        return view
+    side.append(view)
+    return len(side) + 1  # frames 0 and 1 are the header and the body
+
+
+class Cursor:
+    """Decode-side state: the received frames and the next side frame a body may reference."""
+
+    __slots__ = ("frames", "message", "next")
+
+    def __init__(self, frames: Sequence[Buffer], message: str) -> None:
+        self.frames = frames
+        self.message = message
+        self.next = 2
+
+    def array(self, value: bytes | int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
+        if isinstance(value, bytes):
+            if len(value) % itemsize:
+                raise ArrayError(
+                    f"{len(value)} bytes is not a multiple of {dtype.name}'s {itemsize}",
+                    message=self.message,
+                    field=field,
+                    frame=1,
+                )
+            return np.frombuffer(value, dtype)
+        return self._side(value, dtype, itemsize, field)
+
+    def _side(self, index: int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
+        if index != self.next:
+            raise ArrayError(
+                f"references frame {index}; the next side frame is {self.next}",
+                message=self.message,
+                field=field,
+                frame=1,
+            )
+        if index >= len(self.frames):
+            raise FrameCountError(
+                f"references missing frame {index}", message=self.message, field=field, frame=index
+            )
+        buf = self.frames[index]
+        self.next = index + 1
+        if len(buf) % itemsize:
+            raise ArrayError(
+                f"{len(buf)} bytes is not a multiple of {dtype.name}'s {itemsize}",
+                message=self.message,
+                field=field,
+                frame=index,
+            )
+        return np.frombuffer(buf, dtype)
+
+    def finish(self) -> None:
+        if self.next != len(self.frames):
+            raise FrameCountError(
+                f"{len(self.frames)} frames received but the body references {self.next - 2} side frames",
+                message=self.message,
+                frame=self.next,
+            )
+
+
+def values_equal(a: object, b: object) -> bool:
+    """Structural equality that treats numpy arrays by dtype and content (generated ``__eq__`` uses it)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is not type(b) and not (isinstance(a, int) and isinstance(b, int)):
+        return False
+    return bool(a == b)

@@ -1,0 +1,79 @@
+"""Hand-written steps between versions of the pdwire protocol, called by generated code.
+
+The generator copies every field two versions share; a version listing a message under
+``migrate:`` in the schema additionally calls ``upgrade_<Message>_<to>(old, new_module)``
+(returns the new version's added fields) and ``downgrade_<Message>_<to>(new, old_module)``
+(returns the old version's fields that the new version dropped). ``new_module`` and
+``old_module`` are the generated version modules, passed in to avoid an import cycle.
+
+1.0 -> 1.1: the flat state (one state type, flat indices) becomes per-component state.
+Upgrading turns a flat state into one component; downgrading refuses, with
+:class:`DowngradeError`, anything 1.0 cannot carry (several components, sub-blocks,
+memory descriptors).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .errors import DowngradeError
+
+
+def upgrade_RegisterInfo_1_1(old: Any, new: ModuleType) -> dict[str, Any]:
+    has_state = int(old.flat_state_type) != 0 or len(old.flat_state_base_addrs) > 0
+    if not has_state:
+        return {"state_components": []}
+    comp = new.StateComponent(
+        type=new.StateType(int(old.flat_state_type)),
+        base_addrs=old.flat_state_base_addrs,
+        region_lens=old.flat_state_region_lens,
+        bytes_per_slot=old.flat_state_bytes_per_slot,
+        shard_axis_sizes=old.flat_state_shard_axis_sizes,
+    )
+    return {"state_components": [comp]}
+
+
+def downgrade_RegisterInfo_1_0(msg: Any, old: ModuleType) -> dict[str, Any]:
+    comps = msg.state_components
+    if not comps:
+        return {}
+    if len(comps) > 1:
+        raise DowngradeError(
+            f"{len(comps)} state components cannot be carried by version 1.0 (one flat state at most)",
+            message="RegisterInfo",
+            field="state_components",
+        )
+    c = comps[0]
+    if any(len(b) for b in c.sub_blocks) or c.mem_descs:
+        raise DowngradeError(
+            "sub_blocks and mem_descs of a state component cannot be carried by version 1.0",
+            message="RegisterInfo",
+            field="state_components[0]",
+        )
+    return {
+        "flat_state_type": old.StateType(int(c.type)),
+        "flat_state_base_addrs": c.base_addrs,
+        "flat_state_region_lens": c.region_lens,
+        "flat_state_bytes_per_slot": c.bytes_per_slot,
+        "flat_state_shard_axis_sizes": c.shard_axis_sizes,
+    }
+
+
+def upgrade_TransferRequest_1_1(old: Any, new: ModuleType) -> dict[str, Any]:
+    # 1.0 had no way to say "component present but empty": an empty flat list means no state.
+    flat = old.flat_state_indices
+    return {"state_indices": [flat] if len(flat) else []}
+
+
+def downgrade_TransferRequest_1_0(msg: Any, old: ModuleType) -> dict[str, Any]:
+    comps = msg.state_indices
+    if len(comps) > 1:
+        raise DowngradeError(
+            f"{len(comps)} state index lists cannot be carried by version 1.0 (one flat list at most)",
+            message="TransferRequest",
+            field="state_indices",
+        )
+    if not comps or comps[0] is None:
+        return {}
+    return {"flat_state_indices": comps[0]}

@@ -1,0 +1,45 @@
+"""Version agreement between two peers.
+
+Each peer lists, per major it reads, the highest minor it supports (it reads every lower
+minor of that major too). The agreed version is the highest common major with the lower
+of the two minors; with no common major the handshake fails naming both sides' versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import VersionMismatch
+
+Version = tuple[int, int]
+
+
+def _normalise(versions: Iterable[Version]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for major, minor in versions:
+        out[major] = max(minor, out.get(major, -1))
+    return out
+
+
+def describe(versions: Iterable[Version]) -> str:
+    """``1.0-1.3, 2.0`` style text: every version a list means."""
+    parts = []
+    for major, minor in sorted(_normalise(versions).items()):
+        parts.append(f"{major}.0" if minor == 0 else f"{major}.0-{major}.{minor}")
+    return ", ".join(parts) if parts else "nothing"
+
+
+def negotiate(ours: Iterable[Version], theirs: Iterable[Version]) -> Version:
+    """The highest version both sides read, or :class:`VersionMismatch` naming both lists."""
+    ours_l, theirs_l = list(ours), list(theirs)
+    a, b = _normalise(ours_l), _normalise(theirs_l)
+    common = set(a) & set(b)
+    if not common:
+        raise VersionMismatch(
+            f"no common protocol version: this side reads {describe(ours_l)}, "
+            f"the peer reads {describe(theirs_l)}",
+            ours=sorted(ours_l),
+            theirs=sorted(theirs_l),
+        )
+    major = max(common)
+    return major, min(a[major], b[major])

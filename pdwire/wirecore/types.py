@@ -1,0 +1,17 @@
+"""Constrained msgspec types used by generated wire structs (decode-side validation)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+U8 = Annotated[int, msgspec.Meta(ge=0, le=2**8 - 1)]
+U16 = Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+# msgpack cannot carry more than 2**64 - 1, and msgspec bounds must fit int64
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# a packed array: inline bytes, or the index of the side frame carrying it (frames 0/1 are header/body)
+ArrayRef = bytes | Annotated[int, msgspec.Meta(ge=2, le=2**16 + 1)]
