@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 Bytes = npt.NDArray[np.uint8]
@@ -57,7 +56,8 @@ class AddressSpace:
         offset = address - self._bases[position]
         buffer = self._buffers[position]
         if offset + length > len(buffer):
-            raise AddressFault(f"[{address:#x}, +{length}) runs past the buffer at {self._bases[position]:#x}")
+            start = self._bases[position]
+            raise AddressFault(f"[{address:#x}, +{length}) runs past the buffer at {start:#x}")
         return buffer[offset : offset + length]
 
     def snapshot(self) -> list[tuple[int, Bytes]]:

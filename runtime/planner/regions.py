@@ -53,7 +53,8 @@ def regions(memory: RankMemory, side: str = "local") -> list[Region]:
         for layer, (base, length) in enumerate(zip(kv.k_base_addrs, kv.region_lens, strict=True)):
             global_layer = memory.position.first_layer + layer
             out.append(Region(base, length, kv.memory_kind, kv.device_id, f"kv.{latent}.L{global_layer}"))
-        for layer, (base, length) in enumerate(zip(kv.v_base_addrs, kv.region_lens, strict=True)):
+        v_lens = () if kv.is_mla else kv.region_lens
+        for layer, (base, length) in enumerate(zip(kv.v_base_addrs, v_lens, strict=True)):
             global_layer = memory.position.first_layer + layer
             out.append(Region(base, length, kv.memory_kind, kv.device_id, f"kv.v.L{global_layer}"))
     for ci, component in enumerate(memory.state):
