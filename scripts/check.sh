@@ -18,7 +18,7 @@ fi
 echo "== ruff"
 ruff check .
 echo "== mypy"
-mypy pdwire codegen runtime generated
+bash scripts/mypy.sh
 
 echo "== pytest"
 exec python -m pytest "$@"
