@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from pdwire.runtime.demo_model import ModelSpec, RankCaches
-from pdwire.runtime.planner import heads_held
+from pdwire.runtime.planner import StateKind, heads_held
 
 SENTINEL = 0x5A5A  # int16 fill of every decode pool byte that no finished room owns
 I32 = npt.NDArray[np.int32]
@@ -42,9 +42,12 @@ class RoomSlots:
 
     def state_indices(self, spec: ModelSpec) -> list[I32]:
         """Per-component index lists in component order (what a TransferRequest carries)."""
-        if spec.mla:
-            return [self.swa_pages, self.pages]  # SWA pages, DSA indexer on the KV page ids
-        return [np.asarray([self.slot], dtype=np.int32), self.swa_pages]
+        by_kind = {
+            StateKind.MAMBA: np.asarray([self.slot], dtype=np.int32),
+            StateKind.SWA: self.swa_pages,
+            StateKind.DSA: self.pages,  # the DSA indexer uses the KV page ids
+        }
+        return [by_kind[k] for k in spec.component_kinds()]
 
 
 def pages_for(spec: ModelSpec, tokens: int) -> tuple[int, int]:
@@ -60,15 +63,19 @@ def full_tensors(spec: ModelSpec, seed: int, room: int, tokens: int) -> dict[str
     shapes: dict[str, tuple[int, ...]] = {}
     if spec.mla:
         shapes["kv.latent"] = (spec.layers, n, 1, spec.latent_dim)
-        shapes["swa.latent"] = (spec.swa_layers, nswa, spec.latent_dim)
-        shapes["dsa.index_k"] = (spec.dsa_layers, n, spec.dsa_dim)
+        if spec.swa_layers:
+            shapes["swa.latent"] = (spec.swa_layers, nswa, spec.latent_dim)
+        if spec.dsa_layers:
+            shapes["dsa.index_k"] = (spec.dsa_layers, n, spec.dsa_dim)
     else:
         shapes["kv.k"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
         shapes["kv.v"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
-        shapes["mamba.conv"] = (spec.mamba_layers, spec.conv_channels, spec.conv_width)
-        shapes["mamba.temporal"] = (spec.mamba_layers, spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)
-        shapes["swa.k"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
-        shapes["swa.v"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
+        if spec.mamba_layers:
+            shapes["mamba.conv"] = (spec.mamba_layers, spec.conv_channels, spec.conv_width)
+            shapes["mamba.temporal"] = (spec.mamba_layers, spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)
+        if spec.swa_layers:
+            shapes["swa.k"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
+            shapes["swa.v"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
     shapes["aux"] = (1, spec.aux_bytes // 2)
     g = torch.Generator().manual_seed((seed * 1_000_003 + room) % (1 << 63))
     return {

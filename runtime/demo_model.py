@@ -76,7 +76,12 @@ class ModelSpec:
         return hashlib.sha256(repr(self).encode()).digest()[:16]
 
     def component_kinds(self) -> tuple[StateKind, ...]:
-        return (StateKind.SWA, StateKind.DSA) if self.mla else (StateKind.MAMBA, StateKind.SWA)
+        """State components present, in order (a component with zero layers is absent)."""
+        if self.mla:
+            pairs = ((StateKind.SWA, self.swa_layers), (StateKind.DSA, self.dsa_layers))
+        else:
+            pairs = ((StateKind.MAMBA, self.mamba_layers), (StateKind.SWA, self.swa_layers))
+        return tuple(k for k, n in pairs if n > 0)
 
     def check_tp(self, tp: int) -> None:
         sharded = [] if self.mla else [self.kv_heads, *self.conv_blocks, self.ssm_heads]
@@ -135,18 +140,21 @@ def tensor_shapes(
     out: dict[str, tuple[tuple[int, ...], int]] = {}
     if spec.mla:
         out["kv.latent"] = ((cap.pages, ps, 1, spec.latent_dim), spec.layers)
-        out["swa.latent"] = ((cap.swa_pages, ps, spec.latent_dim), spec.swa_layers)
-        out["dsa.index_k"] = ((cap.pages, ps, spec.dsa_dim), spec.dsa_layers)
+        if spec.swa_layers:
+            out["swa.latent"] = ((cap.swa_pages, ps, spec.latent_dim), spec.swa_layers)
+        if spec.dsa_layers:
+            out["dsa.index_k"] = ((cap.pages, ps, spec.dsa_dim), spec.dsa_layers)
     else:
         out["kv.k"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
         out["kv.v"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
-        out["mamba.conv"] = ((cap.slots, spec.conv_channels // tp, spec.conv_width), spec.mamba_layers)
-        out["mamba.temporal"] = (
-            (cap.slots, spec.ssm_heads // tp, spec.ssm_head_dim, spec.ssm_state),
-            spec.mamba_layers,
-        )
-        out["swa.k"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
-        out["swa.v"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
+        if spec.mamba_layers:
+            conv = (cap.slots, spec.conv_channels // tp, spec.conv_width)
+            out["mamba.conv"] = (conv, spec.mamba_layers)
+            temporal = (cap.slots, spec.ssm_heads // tp, spec.ssm_head_dim, spec.ssm_state)
+            out["mamba.temporal"] = (temporal, spec.mamba_layers)
+        if spec.swa_layers:
+            out["swa.k"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
+            out["swa.v"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
     out["aux"] = ((cap.aux_items, spec.aux_bytes // ELEM), 1)
     return out
 
@@ -196,36 +204,36 @@ def _describe(c: RankCaches) -> RankMemory:
     spec, t, tp = c.spec, c.tensors, c.tp
     hl = _local_heads(spec, tp, c.rank)
     dram = MemoryKind.DRAM
+    state: list[StateComponent] = []
     if spec.mla:
         lat = t["kv.latent"]
         kv = KvPool(
             _bases(lat), (), _lens(lat), _per_item(lat), spec.page_size, Layout.NHD, 1, 1,
             spec.latent_dim * ELEM, is_mla=True, memory_kind=dram,
         )  # fmt: skip
-        swa = t["swa.latent"]
-        dsa = t["dsa.index_k"]
-        state = (
-            StateComponent(
+        if "swa.latent" in t:
+            swa = t["swa.latent"]
+            state.append(StateComponent(
                 StateKind.SWA, Indexing.PAGE,
                 (StateTensor("latent", _bases(swa), _lens(swa), _per_item(swa)),),
                 replicated=True, memory_kind=dram,
-            ),
-            StateComponent(
+            ))  # fmt: skip
+        if "dsa.index_k" in t:
+            dsa = t["dsa.index_k"]
+            state.append(StateComponent(
                 StateKind.DSA, Indexing.PAGE,
                 (StateTensor("index_k", _bases(dsa), _lens(dsa), _per_item(dsa)),),
                 replicated=True, memory_kind=dram,
-            ),
-        )  # fmt: skip
+            ))  # fmt: skip
     else:
         k, v = t["kv.k"], t["kv.v"]
         kv = KvPool(
             _bases(k), _bases(v), _lens(k), _per_item(k), spec.page_size, Layout.NHD, hl, spec.kv_heads,
             spec.head_dim * ELEM, memory_kind=dram,
         )  # fmt: skip
-        conv, temporal = t["mamba.conv"], t["mamba.temporal"]
-        sk, sv = t["swa.k"], t["swa.v"]
-        state = (
-            StateComponent(
+        if "mamba.conv" in t:
+            conv, temporal = t["mamba.conv"], t["mamba.temporal"]
+            state.append(StateComponent(
                 StateKind.MAMBA, Indexing.SLOT,
                 (
                     StateTensor("conv", _bases(conv), _lens(conv), _per_item(conv),
@@ -234,15 +242,16 @@ def _describe(c: RankCaches) -> RankMemory:
                                 spec.ssm_heads // tp),
                 ),
                 memory_kind=dram,
-            ),
-            StateComponent(
+            ))  # fmt: skip
+        if "swa.k" in t:
+            sk, sv = t["swa.k"], t["swa.v"]
+            state.append(StateComponent(
                 StateKind.SWA, Indexing.PAGE,
                 (StateTensor("k", _bases(sk), _lens(sk), _per_item(sk)),
                  StateTensor("v", _bases(sv), _lens(sv), _per_item(sv))),
                 heads=HeadGeometry(spec.page_size, Layout.NHD, hl, spec.kv_heads, spec.head_dim * ELEM),
                 memory_kind=dram,
-            ),
-        )  # fmt: skip
+            ))  # fmt: skip
     aux = t["aux"][0]
     aux_buf = AuxBuffer("out", int(aux.data_ptr()), aux.numel() * ELEM, spec.aux_bytes)
-    return RankMemory(c.position, kv, state, (aux_buf,))
+    return RankMemory(c.position, kv, tuple(state), (aux_buf,))

@@ -27,13 +27,17 @@ class DecodeSession:
     def start_room(
         self, room: int, senders: Sequence[SenderPlan], now: float, timeout_s: float | None = None
     ) -> DecodeRoom:
+        self.check_free(room)
+        r = DecodeRoom(room, senders, now + (self.room_timeout_s if timeout_s is None else timeout_s))
+        self.rooms[room] = r
+        return r
+
+    def check_free(self, room: int) -> None:
+        """Raise DuplicateRoomError if ``room`` is in flight or finished recently."""
         if room in self.rooms:
             raise DuplicateRoomError(room, "still in flight on this decode rank")
         if room in self.finished:
             raise DuplicateRoomError(room, f"finished {self.finished[room].name} recently")
-        r = DecodeRoom(room, senders, now + (self.room_timeout_s if timeout_s is None else timeout_s))
-        self.rooms[room] = r
-        return r
 
     def _settle(self, actions: list[Action]) -> list[Action]:
         for a in actions:

@@ -1,0 +1,238 @@
+"""Prefill and decode groups as separate processes on this machine, driven from the parent.
+
+Used by ``pdwire demo``, the end-to-end tests and the control-plane benchmark. Every rank is
+a process forked from a forkserver (:func:`pdwire.runtime.demo_rank.rank_main`) with its own backend and
+memory; the parent only sends scheduler commands and collects results. ``close`` kills
+every child that is still alive, so nothing outlives the cluster.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
+
+from pdwire.runtime.demo_model import Capacity, ModelSpec
+from pdwire.runtime.demo_rank import RankConfig, rank_main
+
+
+class ClusterError(RuntimeError):
+    """A rank process crashed or did not answer in time."""
+
+
+@dataclass
+class Group:
+    role: str
+    engine_id: str
+    tp: int
+    procs: Sequence[BaseProcess]
+    conns: list[Connection]
+    endpoints: list[str] = field(default_factory=list)
+    finals: dict[int, tuple[dict[str, Any], list[str]]] = field(default_factory=dict)
+
+
+@dataclass
+class RoomResult:
+    """One room across every decode rank of its group."""
+
+    room: int
+    ranks: int
+    submitted: float
+    statuses: dict[int, str] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+    latencies: dict[int, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    finished: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return len(self.statuses) == self.ranks
+
+    @property
+    def ok(self) -> bool:
+        return self.done and all(s == "SUCCESS" for s in self.statuses.values()) and not self.problems
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"decode rank {r}: {x}" for r, x in sorted(self.reasons.items()) if x)
+
+
+class Cluster:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        capacity: Capacity,
+        backend: str,
+        *,
+        seed: int = 1,
+        room_timeout_s: float = 30.0,
+        transfer_timeout_s: float = 20.0,
+        chunk_pages: int = 8,
+        chunk_delay_s: float = 0.0,
+    ) -> None:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        # One forkserver imports torch (and the engine) once; every rank forks from it, instead of
+        # each spawned rank paying the multi-second torch import on a small machine.
+        self._ctx = mp.get_context("forkserver")
+        preload = ["pdwire.runtime.demo_rank"] + (["nixl._api"] if backend == "nixl" else [])
+        self._ctx.set_forkserver_preload(preload)
+        self.base = RankConfig(
+            "prefill", "", 1, 0, spec, capacity, backend, seed, room_timeout_s, transfer_timeout_s,
+            chunk_pages, chunk_delay_s,
+        )  # fmt: skip
+        self.groups: list[Group] = []
+        self.results: dict[int, RoomResult] = {}
+        self.prefill_done: dict[tuple[str, int], dict[int, tuple[str, str]]] = {}
+        self._room_group: dict[int, Group] = {}
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, role: str, tp: int, engine_id: str, *, versions: tuple[tuple[int, int], ...] = (),
+              spec: ModelSpec | None = None) -> Group:  # fmt: skip
+        procs, conns = [], []
+        for rank in range(tp):
+            cfg = replace(self.base, role=role, engine_id=engine_id, tp=tp, rank=rank, versions=versions,
+                          spec=spec or self.base.spec)  # fmt: skip
+            parent, child = self._ctx.Pipe()
+            p = self._ctx.Process(
+                target=rank_main, args=(cfg, child), daemon=True, name=f"{engine_id}-{rank}"
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        g = Group(role, engine_id, tp, procs, conns, [""] * tp)
+        self.groups.append(g)
+        for rank, msg in self._gather(g, "ready", 120.0).items():
+            g.endpoints[rank] = msg[2]
+        return g
+
+    def connect(self, decode: Group, prefill: Group, timeout_s: float = 30.0) -> list[str]:
+        """Handshake every decode rank with ``prefill``; returns per-rank errors ('' = connected)."""
+        for c in decode.conns:
+            c.send(("connect", prefill.endpoints, timeout_s))
+        got = self._gather(decode, "connected", timeout_s + 30.0)
+        return [got[r][3] for r in range(decode.tp)]
+
+    def kill(self, group: Group, rank: int) -> None:
+        p = group.procs[rank]
+        if p.is_alive() and p.pid is not None:
+            p.kill()
+        p.join(10)
+
+    def stop(self, group: Group, timeout_s: float = 60.0) -> dict[int, tuple[dict[str, Any], list[str]]]:
+        """Ask every live rank to finish; returns rank -> (stats, end-of-run problems)."""
+        live = [r for r in range(group.tp) if group.procs[r].is_alive()]
+        for r in live:
+            group.conns[r].send(("stop",))
+        self._pump(lambda: all(r in group.finals for r in live), timeout_s, f"{group.engine_id} stop")
+        for r in live:
+            group.procs[r].join(10)
+        return group.finals
+
+    def close(self) -> None:
+        for g in self.groups:
+            for p in g.procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            for c in g.conns:
+                c.close()
+        self.groups.clear()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ rooms
+
+    def submit(self, decode: Group, prefill: Group, room: int, tokens: int, *, timeout_s: float | None = None,
+               prefill_too: bool = True) -> RoomResult:  # fmt: skip
+        """Start one request: decode ranks allocate and ask; prefill ranks run chunked prefill."""
+        engine = prefill.engine_id
+        res = RoomResult(room, decode.tp, time.perf_counter())
+        self.results[room] = res
+        self._room_group[room] = decode
+        for c in decode.conns:
+            c.send(("room", room, tokens, engine, timeout_s))
+        if prefill_too:
+            for r, c in enumerate(prefill.conns):
+                if prefill.procs[r].is_alive():
+                    c.send(("prefill", room, tokens))
+        return res
+
+    def wait_rooms(self, rooms: list[int], timeout_s: float, progress: Any = None) -> list[RoomResult]:
+        def done() -> bool:
+            if progress is not None:
+                progress(sum(self.results[r].done for r in rooms))
+            return all(self.results[r].done for r in rooms)
+
+        self._pump(done, timeout_s, f"rooms {rooms[:4]}...")
+        return [self.results[r] for r in rooms]
+
+    # ------------------------------------------------------------------ message pump
+
+    def _on(self, g: Group, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "room_done":
+            _, rank, room, status, reason, latency, problems = msg
+            res = self.results.get(room)
+            if res is None or rank in res.statuses:  # a duplicate submission's typed refusal
+                res = self.results.setdefault(-room - 1, RoomResult(room, g.tp, time.perf_counter()))
+            res.statuses[rank], res.reasons[rank], res.latencies[rank] = status, reason, latency
+            res.problems += [f"decode rank {rank}: {p}" for p in problems]
+            if res.done:
+                res.finished = time.perf_counter()
+        elif kind == "prefill_done":
+            _, rank, room, status, reason = msg
+            self.prefill_done.setdefault((g.engine_id, rank), {})[room] = (status, reason)
+        elif kind == "final":
+            _, _, rank, stats, problems = msg
+            g.finals[rank] = (stats, problems)
+        elif kind == "error":
+            raise ClusterError(f"{g.engine_id} {msg[1]} rank {msg[2]} crashed:\n{msg[3]}")
+
+    def _pump(self, until: Any, timeout_s: float, what: str) -> None:
+        end = time.monotonic() + timeout_s
+        while not until():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
+            owners = {c: g for g in self.groups for r, c in enumerate(g.conns) if not c.closed}
+            for ready in wait(list(owners), timeout=min(left, 0.5)):
+                c = cast(Connection, ready)
+                g = owners[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    c.close()  # that rank died (killed on purpose, or crashed: its "error" came first)
+                    continue
+                self._on(g, msg)
+
+    def _gather(self, g: Group, kind: str, timeout_s: float) -> dict[int, tuple[Any, ...]]:
+        got: dict[int, tuple[Any, ...]] = {}
+        end = time.monotonic() + timeout_s
+        while len(got) < g.tp:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ClusterError(
+                    f"{g.engine_id}: no {kind!r} from ranks {sorted(set(range(g.tp)) - set(got))}"
+                )
+            for ready in wait(g.conns, timeout=min(left, 0.5)):
+                try:
+                    msg = cast(Connection, ready).recv()
+                except EOFError:
+                    raise ClusterError(f"{g.engine_id}: a rank exited during {kind!r}") from None
+                if msg[0] == kind:
+                    got[msg[1]] = msg
+                else:
+                    self._on(g, msg)
+        return got

@@ -1,0 +1,230 @@
+"""One demo rank process (prefill or decode): memory, backend, worker, and a command pipe.
+
+The parent (:mod:`pdwire.runtime.demo_cluster`) drives each rank over a multiprocessing
+pipe with small tuples; that pipe is the demo's stand-in for an inference engine's
+scheduler and is not part of the protocol (every prefill <-> decode message goes through
+the workers and the generated codecs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import zmq
+from pdwire.runtime.backends import create_backend
+from pdwire.runtime.demo_content import (
+    RoomSlots,
+    fill,
+    fill_sentinel,
+    full_tensors,
+    pages_for,
+    reset,
+    untouched_problems,
+    verify,
+)
+from pdwire.runtime.demo_model import Capacity, ModelSpec, build_caches, bytes_needed
+from pdwire.runtime.session.decode_worker import DecodeWorker
+from pdwire.runtime.session.failures import DuplicateRoomError, Failure, SessionError
+from pdwire.runtime.session.handshake import Identity
+from pdwire.runtime.session.prefill_worker import PrefillWorker
+from pdwire.runtime.session.status import RoomStatus
+
+from pdwire import wire
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    role: str  # "prefill" | "decode"
+    engine_id: str
+    tp: int
+    rank: int
+    spec: ModelSpec
+    capacity: Capacity
+    backend: str
+    seed: int = 1
+    room_timeout_s: float = 30.0
+    transfer_timeout_s: float = 20.0
+    chunk_pages: int = 8
+    chunk_delay_s: float = 0.0
+    versions: tuple[tuple[int, int], ...] = ()
+
+
+def model_fingerprint(spec: ModelSpec) -> wire.ModelFingerprint:
+    return wire.ModelFingerprint(
+        model_name="pdwire-demo-hybrid-mla" if spec.mla else "pdwire-demo-hybrid",
+        revision=spec.fingerprint().hex(),
+        dtype="int16",
+        num_layers=spec.layers,
+        num_attention_layers=spec.layers,
+        num_state_layers=spec.mamba_layers,
+    )
+
+
+class _Pool:
+    """Free lists of one rank's pages/slots; random picks so rooms are scattered."""
+
+    def __init__(self, cap: Capacity, seed: int) -> None:
+        self.pages = list(range(cap.pages))
+        self.slots = list(range(1, cap.slots))  # slot 0 is the dummy Mamba slot
+        self.swa = list(range(cap.swa_pages))
+        self.aux = list(range(cap.aux_items))
+        self.rng = np.random.default_rng(seed)
+
+    def _take(self, free: list[int], n: int, what: str) -> list[int]:
+        if n > len(free):
+            raise MemoryError(f"out of {what}: need {n}, {len(free)} free")
+        picks = sorted(self.rng.choice(len(free), size=n, replace=False).tolist(), reverse=True)
+        return [free.pop(i) for i in picks]
+
+    def take(self, spec: ModelSpec, tokens: int) -> RoomSlots:
+        pages, swa = pages_for(spec, tokens)
+        return RoomSlots(
+            np.asarray(self._take(self.pages, pages, "KV pages"), dtype=np.int32),
+            self._take(self.slots, 1, "Mamba slots")[0],
+            np.asarray(self._take(self.swa, swa, "SWA pages"), dtype=np.int32),
+            self._take(self.aux, 1, "aux items")[0],
+        )
+
+    def give(self, s: RoomSlots) -> None:
+        self.pages += s.pages.tolist()
+        self.slots.append(s.slot)
+        self.swa += s.swa_pages.tolist()
+        self.aux.append(s.aux)
+
+
+def rank_main(cfg: RankConfig, conn: Connection) -> None:
+    """Entry point of a rank process; reports ("error", text) instead of dying silently."""
+    try:
+        (_prefill if cfg.role == "prefill" else _decode)(cfg, conn)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", cfg.role, cfg.rank, traceback.format_exc()))
+    finally:
+        os._exit(0)  # skip engine atexit hooks that can hang on a half-torn-down peer
+
+
+def _setup(cfg: RankConfig, role: wire.Role) -> tuple[Any, Any, Identity]:
+    backend = create_backend(
+        cfg.backend,
+        agent_name=f"{cfg.engine_id}-{cfg.role}{cfg.rank}-{os.getpid()}",
+        transfer_timeout_s=cfg.transfer_timeout_s,
+    )
+    buf = backend.allocate("caches", bytes_needed(cfg.spec, cfg.tp, cfg.rank, cfg.capacity))
+    caches = build_caches(cfg.spec, cfg.tp, cfg.rank, cfg.capacity, buf.array)
+    backend.register(caches.regions())
+    ident = Identity(role, cfg.engine_id, cfg.tp, cfg.rank, model_fingerprint(cfg.spec), cfg.versions)
+    return backend, caches, ident
+
+
+def _prefill(cfg: RankConfig, conn: Connection) -> None:
+    backend, caches, ident = _setup(cfg, wire.Role.PREFILL)
+    pool = _Pool(cfg.capacity, cfg.seed * 7919 + cfg.rank)
+    held: dict[int, RoomSlots] = {}
+
+    def released(room: int, status: RoomStatus, failure: Failure | None) -> None:
+        s = held.pop(room, None)
+        if s is not None:
+            pool.give(s)
+        conn.send(("prefill_done", cfg.rank, room, status.name, failure.reason if failure else ""))
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    worker = PrefillWorker(
+        ident, caches, backend, ctx, room_timeout_s=cfg.room_timeout_s, on_release=released
+    )
+    conn.send(("ready", cfg.rank, worker.endpoint))
+    poller = zmq.Poller()
+    poller.register(worker.sock, zmq.POLLIN)
+    poller.register(conn.fileno(), zmq.POLLIN)
+    chunks: deque[tuple[float, int, int, int, bool]] = deque()  # due, room, start, stop, last
+    while True:
+        events = worker.step(5 if chunks else 50, poller)
+        now = time.monotonic()
+        while chunks and chunks[0][0] <= now:
+            _, room, start, stop, last = chunks.popleft()
+            if room in held:
+                worker.chunk_ready(room, held[room], start, stop, last)
+        if not events.get(conn.fileno()):
+            continue
+        while conn.poll():
+            cmd = conn.recv()
+            if cmd[0] == "prefill":
+                _, room, tokens = cmd
+                slots = pool.take(cfg.spec, tokens)
+                held[room] = slots
+                fill(caches, slots, full_tensors(cfg.spec, cfg.seed, room, tokens))
+                pages = len(slots.pages)
+                t = time.monotonic()
+                for i, start in enumerate(range(0, pages, cfg.chunk_pages)):
+                    stop = min(pages, start + cfg.chunk_pages)
+                    chunks.append((t + i * cfg.chunk_delay_s, room, start, stop, stop == pages))
+            elif cmd[0] == "stop":
+                conn.send(("final", "prefill", cfg.rank, asdict(worker.stats), []))
+                worker.close()
+                backend.close()
+                return
+
+
+def _decode(cfg: RankConfig, conn: Connection) -> None:
+    backend, caches, ident = _setup(cfg, wire.Role.DECODE)
+    fill_sentinel(caches)
+    pool = _Pool(cfg.capacity, cfg.seed * 104729 + cfg.rank)
+    rooms: dict[int, tuple[RoomSlots, int, float]] = {}
+    quarantine: list[RoomSlots] = []
+
+    def finished(room: int, status: RoomStatus, failure: Failure | None) -> None:
+        slots, tokens, t0 = rooms.pop(room)
+        latency = time.perf_counter() - t0
+        problems: list[str] = []
+        if status is RoomStatus.SUCCESS:
+            problems = verify(caches, slots, full_tensors(cfg.spec, cfg.seed, room, tokens))
+            reset(caches, slots)
+            pool.give(slots)
+        else:
+            quarantine.append(slots)  # a late write may still land there: never reuse, never check
+        reason = failure.reason if failure else ""
+        conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems))
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    worker = DecodeWorker(
+        ident, caches, backend, ctx, room_timeout_s=cfg.room_timeout_s, on_finished=finished
+    )
+    conn.send(("ready", cfg.rank, worker.endpoint))
+    worker.poller.register(conn.fileno(), zmq.POLLIN)
+    while True:
+        events = worker.step(50)
+        if not events.get(conn.fileno()):
+            continue
+        while conn.poll():
+            cmd = conn.recv()
+            if cmd[0] == "connect":
+                try:
+                    conn.send(("connected", cfg.rank, worker.connect(cmd[1], timeout_s=cmd[2]), ""))
+                except SessionError as exc:
+                    conn.send(("connected", cfg.rank, "", f"{type(exc).__name__}: {exc}"))
+            elif cmd[0] == "room":
+                _, room, tokens, engine, timeout_s = cmd
+                try:
+                    worker.session.check_free(room)  # before taking memory for it
+                    slots = pool.take(cfg.spec, tokens)
+                    rooms[room] = (slots, tokens, time.perf_counter())
+                    worker.start_room(room, slots, engine, timeout_s=timeout_s)
+                except DuplicateRoomError as exc:
+                    conn.send(("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, []))
+            elif cmd[0] == "stop":
+                for s in quarantine:
+                    reset(caches, s)
+                problems = untouched_problems(caches)
+                conn.send(("final", "decode", cfg.rank, asdict(worker.stats), problems))
+                worker.close()
+                backend.close()
+                return

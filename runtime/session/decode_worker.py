@@ -1,0 +1,267 @@
+"""The decode rank's I/O edge: one ZMQ DEALER per prefill rank it reads from, a transfer
+backend for completions, and the pure decode session.
+
+``connect`` runs the handshake with every prefill rank of one prefill engine (Hello both
+ways, then RegisterInfo, answered by a TransferStatus for the reserved room 0) and raises
+:class:`HandshakeError` with the peer's reason on refusal. ``start_room`` sends one
+TransferRequest per prefill rank the routing names (dummies explicitly marked) and opens
+the room in the session; completions arrive as engine notifications or, for parts with
+nothing to write, on the control socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+from pdwire.runtime.backends import Backend
+from pdwire.runtime.demo_content import RoomSlots
+from pdwire.runtime.demo_model import RankCaches
+from pdwire.runtime.planner import route_decode_rank
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
+from pdwire.runtime.session.decode_room import PartKind, SenderPlan
+from pdwire.runtime.session.decode_session import DecodeSession
+from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
+from pdwire.runtime.session.handshake import Identity, check_hello, register_info
+from pdwire.runtime.session.prefill_worker import REGISTER_ROOM
+from pdwire.runtime.session.status import RoomStatus
+
+from pdwire import wire
+
+_KIND = {
+    wire.NotificationKind.KV: PartKind.KV,
+    wire.NotificationKind.STATE: PartKind.STATE,
+    wire.NotificationKind.AUX: PartKind.AUX,
+}
+
+
+@dataclass
+class _Link:
+    """The control connection to one prefill rank."""
+
+    sock: zmq.Socket[Any]
+    endpoint: str
+    peer: PeerRef
+    version: tuple[int, int]
+
+
+@dataclass
+class DecodeStats:
+    rooms_ok: int = 0
+    rooms_failed: int = 0
+    engine_notifications: int = 0
+    control_notifications: int = 0
+    messages_out: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        identity: Identity,
+        caches: RankCaches,
+        backend: Backend,
+        ctx: zmq.Context[Any],
+        *,
+        room_timeout_s: float = 30.0,
+        on_finished: Callable[[int, RoomStatus, Failure | None], None] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.hello = identity.hello()
+        self.caches = caches
+        self.backend = backend
+        self.ctx = ctx
+        self.session = DecodeSession(room_timeout_s)
+        self.on_finished = on_finished
+        self.stats = DecodeStats()
+        self.endpoint = f"decode:{identity.engine_id}/{identity.tp_rank}"
+        self._links: dict[PeerRef, _Link] = {}
+        self._engines: dict[str, int] = {}  # prefill engine id -> its TP size
+        self._room_engine: dict[int, str] = {}
+        self.poller = zmq.Poller()
+
+    # ------------------------------------------------------------------ handshake
+
+    def connect(self, endpoints: list[str], timeout_s: float = 30.0) -> str:
+        """Handshake with the prefill ranks this rank reads from; ``endpoints[r]`` is prefill TP rank r.
+
+        Returns the prefill engine id. Raises HandshakeError naming the cause on refusal.
+        """
+        prefill_tp = len(endpoints)
+        route = route_decode_rank(
+            prefill_tp, self.identity.tp_size, self.identity.tp_rank, is_mla=self.caches.spec.mla
+        )
+        engine_id = ""
+        for p in route.prefill_ranks:
+            link = self._handshake(endpoints[p], timeout_s)
+            if link.peer.rank != p:
+                raise HandshakeError(
+                    f"{endpoints[p]} says it is prefill TP rank {link.peer.rank}, expected {p}"
+                )
+            engine_id = link.peer.engine_id
+            self._links[link.peer] = link
+            self.poller.register(link.sock, zmq.POLLIN)
+        self._engines[engine_id] = prefill_tp
+        return engine_id
+
+    def _recv(self, sock: zmq.Socket[Any], deadline: float, what: str, endpoint: str) -> wire.Message:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sock.poll(int(left * 1000)):
+            raise HandshakeError(f"no {what} from {endpoint} within the handshake timeout")
+        return wire.decode(sock.recv_multipart())
+
+    def _handshake(self, endpoint: str, timeout_s: float) -> _Link:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        deadline = time.monotonic() + timeout_s
+        try:
+            sock.send_multipart(wire.encode(self.hello))
+            theirs = self._recv(sock, deadline, "Hello", endpoint)
+            if not isinstance(theirs, wire.Hello):
+                raise HandshakeError(f"{endpoint} answered a Hello with {type(theirs).__name__}")
+            version = check_hello(self.hello, theirs)
+            md = self.backend.local_metadata()
+            info = register_info(
+                self.caches.memory,
+                endpoint=self.endpoint,
+                engine_id=self.identity.engine_id,
+                agent_name=md.agent_name,
+                agent_metadata=md.agent_metadata,
+            )
+            sock.send_multipart(wire.encode(info, version))
+            ack = self._recv(sock, deadline, "registration answer", endpoint)
+            if not (isinstance(ack, wire.TransferStatus) and int(ack.room) == REGISTER_ROOM):
+                raise HandshakeError(f"{endpoint} answered RegisterInfo with {type(ack).__name__}")
+            if ack.status != wire.Status.SUCCESS:
+                raise HandshakeError(f"prefill {theirs.engine_id!r} refused the registration: {ack.reason}")
+        except BaseException:
+            sock.close(0)
+            raise
+        return _Link(sock, endpoint, PeerRef(theirs.engine_id, int(theirs.geometry.tp_rank)), version)
+
+    # ------------------------------------------------------------------ rooms
+
+    def start_room(
+        self, room: int, slots: RoomSlots, prefill_engine: str, *, timeout_s: float | None = None
+    ) -> None:
+        """Ask the prefill engine for ``room`` into ``slots``; raises DuplicateRoomError first if in use."""
+        spec = self.caches.spec
+        route = route_decode_rank(
+            self._engines[prefill_engine], self.identity.tp_size, self.identity.tp_rank, is_mla=spec.mla
+        )
+        state_idx = slots.state_indices(spec)
+        comps = tuple(i for i, idx in enumerate(state_idx) if len(idx))
+        plans = [
+            SenderPlan(
+                p,
+                PeerRef(prefill_engine, p),
+                p in route.dummy_prefill_ranks,
+                () if p in route.dummy_prefill_ranks else comps,
+                p == route.prefill_ranks[0],
+            )
+            for p in route.prefill_ranks
+        ]
+        r = self.session.start_room(room, plans, time.monotonic(), timeout_s)
+        self._room_engine[room] = prefill_engine
+        empty = np.zeros(0, dtype=np.int32)
+        for plan in plans:
+            link = self._links[plan.peer]
+            req = wire.TransferRequest(
+                room=room,
+                sender=self.endpoint,
+                dst_kv_indices=empty if plan.is_dummy else slots.pages,
+                dst_aux_index=-1 if plan.is_dummy else slots.aux,
+                required_dst_info_num=route.required_dst_info_num,
+                is_dummy=plan.is_dummy,
+                state_indices=[] if plan.is_dummy else list(state_idx),
+            )
+            link.sock.send_multipart(wire.encode(req, link.version), copy=False)
+            self.stats.messages_out += 1
+        r.on_requests_sent()
+
+    def abort(self, room: int, reason: str) -> None:
+        self._run(self.session.abort(room, Failure(FailureKind.ABORTED, reason)))
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, timeout_ms: int, poller: zmq.Poller | None = None) -> dict[Any, int]:
+        events = dict((poller or self.poller).poll(1 if self.session.rooms else timeout_ms))
+        for link in self._links.values():
+            if events.get(link.sock):
+                self._drain(link)
+        for n in self.backend.receive_notifications():
+            self.stats.engine_notifications += 1
+            self._on_notification(wire.decode_bytes(n.payload))
+        if self.session.rooms:
+            self._run(self.session.on_tick(time.monotonic()))
+        return events
+
+    def _drain(self, link: _Link) -> None:
+        while True:
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except wire.WireError as exc:
+                self.stats.failures.append(f"undecodable message from {link.peer}: {exc}")
+                continue
+            if isinstance(msg, wire.TransferStatus):
+                if int(msg.room) == REGISTER_ROOM:
+                    continue
+                failure = Failure.parse(msg.reason) if msg.status == wire.Status.FAILED else None
+                self._run(
+                    self.session.on_status(
+                        int(msg.room), int(msg.sender_rank), RoomStatus(int(msg.status)), failure
+                    )
+                )
+            elif isinstance(msg, wire.Notification):
+                self.stats.control_notifications += 1
+                self._on_notification(msg)
+            elif isinstance(msg, wire.AbortAck):
+                pass  # the prefill side released the room; nothing is waiting for this
+            else:
+                self.stats.failures.append(f"unexpected {type(msg).__name__} from {link.peer}")
+
+    def _on_notification(self, msg: wire.Message) -> None:
+        if not isinstance(msg, wire.Notification):
+            self.stats.failures.append(f"engine notification carried a {type(msg).__name__}")
+            return
+        kind = _KIND[wire.NotificationKind(msg.kind)]
+        self._run(
+            self.session.on_notification(
+                int(msg.room),
+                int(msg.sender_rank),
+                kind,
+                int(msg.chunk_id),
+                bool(msg.is_last),
+                int(msg.component),
+            )
+        )
+
+    def _run(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, SendAbort):
+                link = self._links.get(a.peer)
+                if link is not None:
+                    abort = wire.Abort(room=a.room, sender=self.endpoint, reason=a.failure.reason)
+                    link.sock.send_multipart(wire.encode(abort, link.version))
+            elif isinstance(a, ReleaseRoom):
+                self._room_engine.pop(a.room, None)
+                if a.status is RoomStatus.SUCCESS:
+                    self.stats.rooms_ok += 1
+                else:
+                    self.stats.rooms_failed += 1
+                if self.on_finished is not None:
+                    self.on_finished(a.room, a.status, a.failure)
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.sock.close(0)
+        self._links.clear()

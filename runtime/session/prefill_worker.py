@@ -1,0 +1,353 @@
+"""The prefill rank's I/O edge: a ZMQ ROUTER, a transfer backend, and the pure session.
+
+Every control message is built and parsed by the generated codecs (``pdwire.wire``); this
+module only moves their frames. Per connection (one decode rank) it runs the handshake
+(Hello both ways, then RegisterInfo answered by a ``TransferStatus`` for the reserved room
+0: Success, or Failed with the reason), keeps the prepared planner peer, and turns the
+session's actions into encoded messages and backend posts.
+
+A part whose plan is empty (nothing to write: a replicated tensor another prefill rank
+writes, a prefix-cache hit) cannot ride on an engine write, so its Notification travels on
+the control socket instead; decode counts it the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+from pdwire.runtime.backends import Backend, BackendError, Peer, PeerMetadata, TransferHandle, TransferState
+from pdwire.runtime.demo_content import RoomSlots
+from pdwire.runtime.demo_model import RankCaches
+from pdwire.runtime.descriptors import DescriptorTable
+from pdwire.runtime.planner import PeerPlan, PlanError, PlanGroup, prepare_peer
+from pdwire.runtime.session.actions import (
+    Action,
+    AuxPart,
+    KvPart,
+    PeerRef,
+    PostTransfer,
+    ReleaseRoom,
+    SendAbortAck,
+    SendStatus,
+    StatePart,
+)
+from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
+from pdwire.runtime.session.handshake import Identity, check_hello, remote_memory
+from pdwire.runtime.session.prefill_room import Target
+from pdwire.runtime.session.prefill_session import PrefillSession
+from pdwire.runtime.session.status import RoomStatus
+
+from pdwire import wire
+
+REGISTER_ROOM = 0  # TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
+
+
+@dataclass
+class _Conn:
+    identity: bytes
+    version: tuple[int, int] | None = None
+    hello: wire.Hello | None = None
+    refused: str | None = None
+    peer: PeerRef | None = None
+    backend_peer: Peer | None = None
+    plan: PeerPlan | None = None
+
+
+@dataclass
+class PrefillStats:
+    rooms_ok: int = 0
+    rooms_failed: int = 0
+    posts: int = 0
+    control_notifications: int = 0
+    bytes_posted: int = 0
+    descriptors: int = 0
+    messages_in: int = 0
+    messages_out: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        identity: Identity,
+        caches: RankCaches,
+        backend: Backend,
+        ctx: zmq.Context[Any],
+        *,
+        room_timeout_s: float = 30.0,
+        on_release: Callable[[int, RoomStatus, Failure | None], None] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.hello = identity.hello()
+        self.caches = caches
+        self.backend = backend
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.session = PrefillSession(room_timeout_s)
+        self.sender_rank = identity.tp_rank  # unique rank: tp_rank * (pp*cp) + ...; PP = CP = 1 here
+        self.on_release = on_release
+        self.stats = PrefillStats()
+        self._conns: dict[bytes, _Conn] = {}
+        self._by_peer: dict[PeerRef, _Conn] = {}
+        self._sources: dict[int, RoomSlots] = {}
+        self._requests: dict[tuple[int, PeerRef], wire.TransferRequest] = {}
+        self._state_plans: dict[tuple[int, PeerRef], tuple[PlanGroup, ...]] = {}
+        self._handles: dict[int, TransferHandle] = {}
+        self._done_now: list[int] = []  # parts completed without an engine write
+
+    # ------------------------------------------------------------------ engine side
+
+    def chunk_ready(self, room: int, source: RoomSlots, start: int, stop: int, is_last: bool) -> None:
+        """Chunked prefill produced pages ``[start, stop)`` of ``room`` (held in ``source``)."""
+        self._sources.setdefault(room, source)
+        self._run(self.session.on_chunk(room, start, stop, is_last, time.monotonic()))
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, timeout_ms: int, poller: zmq.Poller | None = None) -> dict[Any, int]:
+        """Poll once: control messages, transfer completions, deadlines. Returns poll events."""
+        if poller is None:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+        wait = 0 if self._done_now else timeout_ms
+        if self._handles:
+            wait = min(wait, 1)
+        events = dict(poller.poll(wait))
+        if events.get(self.sock):
+            self._drain()
+        self._service()
+        return events
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.stats.messages_in += 1
+            self._on_frames(frames[0], frames[1:])
+
+    def _service(self) -> None:
+        for x, h in list(self._handles.items()):
+            st = self.backend.poll(h)
+            if st.state is TransferState.PENDING:
+                continue
+            del self._handles[x]
+            self.backend.release(h)
+            if st.state is TransferState.DONE:
+                self._run(self.session.on_xfer_done(x))
+            else:
+                self._run(self.session.on_xfer_failed(x, st.reason))
+        while self._done_now:
+            self._run(self.session.on_xfer_done(self._done_now.pop(0)))
+        if self.session.rooms:
+            self._run(self.session.on_tick(time.monotonic()))
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            self.backend.release(h)
+        self._handles.clear()
+        self.sock.close(0)
+
+    # ------------------------------------------------------------------ messages in
+
+    def _send(self, conn: _Conn, msg: Any) -> None:
+        frames = wire.encode(msg, conn.version)
+        self.sock.send_multipart([conn.identity, *frames], copy=False)
+        self.stats.messages_out += 1
+
+    def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        conn = self._conns.setdefault(identity, _Conn(identity))
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as exc:
+            # An unreadable first message is answered with our Hello so the peer can name the skew.
+            if conn.hello is None:
+                self._send(conn, self.hello)
+            self.stats.failures.append(f"undecodable message from a peer: {exc}")
+            return
+        if isinstance(msg, wire.Hello):
+            self._on_hello(conn, msg)
+        elif isinstance(msg, wire.RegisterInfo):
+            self._on_register(conn, msg)
+        elif isinstance(msg, wire.TransferRequest):
+            self._on_request(conn, msg)
+        elif isinstance(msg, wire.Abort):
+            if conn.peer is not None:
+                self._run(self.session.on_abort(int(msg.room), conn.peer))
+        else:
+            self.stats.failures.append(f"unexpected {type(msg).__name__} from a decode peer")
+
+    def _on_hello(self, conn: _Conn, hello: wire.Hello) -> None:
+        conn.hello = hello
+        try:
+            conn.version = check_hello(self.hello, hello)
+            conn.peer = PeerRef(hello.engine_id, int(hello.geometry.tp_rank))
+        except HandshakeError as exc:
+            conn.refused = str(exc)
+            conn.version = None
+        self._send(conn, self.hello)  # always answer: the peer runs the same checks and names the cause
+
+    def _on_register(self, conn: _Conn, info: wire.RegisterInfo) -> None:
+        def refuse(reason: str) -> None:
+            status = wire.TransferStatus(
+                room=REGISTER_ROOM, status=wire.Status.FAILED, sender_rank=self.sender_rank, reason=reason
+            )
+            self._send(conn, status)
+
+        if conn.peer is None or conn.version is None:
+            refuse(Failure(FailureKind.HANDSHAKE, conn.refused or "RegisterInfo before a Hello").reason)
+            return
+        try:
+            remote = remote_memory(info, self.caches.memory)
+            plan = prepare_peer(self.caches.memory, remote)
+            old = self._by_peer.get(conn.peer)
+            if old is not None and old is not conn:  # a restarted decode rank: forget the old one
+                self._run(self.session.on_peer_lost(conn.peer))
+            backend_peer = self.backend.add_peer(PeerMetadata(info.agent_name, bytes(info.agent_metadata)))
+        except (HandshakeError, PlanError, BackendError) as exc:
+            refuse(Failure(FailureKind.HANDSHAKE, f"{type(exc).__name__}: {exc}").reason)
+            return
+        conn.plan, conn.backend_peer = plan, backend_peer
+        self._by_peer[conn.peer] = conn
+        ok = wire.TransferStatus(room=REGISTER_ROOM, status=wire.Status.SUCCESS, sender_rank=self.sender_rank)
+        self._send(conn, ok)
+
+    def _on_request(self, conn: _Conn, req: wire.TransferRequest) -> None:
+        room = int(req.room)
+        if conn.plan is None or conn.peer is None:
+            reason = Failure(FailureKind.VALIDATION, "TransferRequest from a peer that is not registered")
+            self._send(conn, self._status(room, RoomStatus.FAILED, reason))
+            return
+        if bool(req.is_dummy) != conn.plan.is_dummy:
+            why = f"request says is_dummy={req.is_dummy}, the rank routing says {conn.plan.is_dummy}"
+            self._send(conn, self._status(room, RoomStatus.FAILED, Failure(FailureKind.VALIDATION, why)))
+            return
+        comps = tuple(i for i, idx in enumerate(req.state_indices) if idx is not None and len(idx) > 0)
+        target = Target(conn.peer, conn.plan.is_dummy, comps, conn.plan.writes_aux and req.dst_aux_index >= 0)
+        key = (room, conn.peer)
+        actions = self.session.on_request(room, target, int(req.required_dst_info_num), time.monotonic())
+        if room in self.session.rooms and conn.peer in self.session.rooms[room].targets:
+            self._requests.setdefault(key, req)
+        self._run(actions)
+
+    # ------------------------------------------------------------------ actions out
+
+    def _status(self, room: int, status: RoomStatus, failure: Failure | None) -> wire.TransferStatus:
+        return wire.TransferStatus(
+            room=room,
+            status=wire.Status(int(status)),
+            sender_rank=self.sender_rank,
+            reason=failure.reason if failure else "",
+        )
+
+    def _run(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, PostTransfer):
+                self._post(a)
+            elif isinstance(a, SendStatus):
+                conn = self._by_peer.get(a.peer)
+                if conn is not None:
+                    self._send(conn, self._status(a.room, a.status, a.failure))
+            elif isinstance(a, SendAbortAck):
+                conn = self._by_peer.get(a.peer)
+                if conn is not None:
+                    self._send(conn, wire.AbortAck(room=a.room, sender_rank=self.sender_rank))
+            elif isinstance(a, ReleaseRoom):
+                self._release(a)
+
+    def _plan(self, a: PostTransfer, conn: _Conn) -> tuple[PlanGroup, wire.Notification]:
+        assert conn.plan is not None
+        req = self._requests[(a.room, a.peer)]
+        src = self._sources[a.room]
+        part = a.part
+        if isinstance(part, KvPart):
+            dst = np.asarray(req.dst_kv_indices)
+            group = conn.plan.plan_kv_chunk(
+                part.chunk_id, src.pages[part.start : part.stop], dst[part.start : part.stop]
+            )
+            kind, chunk, last, comp = wire.NotificationKind.KV, part.chunk_id, part.is_last, 0
+        elif isinstance(part, StatePart):
+            key = (a.room, a.peer)
+            if key not in self._state_plans:
+                dst_lists = [
+                    np.asarray(i) if i is not None else np.zeros(0, np.int32) for i in req.state_indices
+                ]
+                dst_lists += [np.zeros(0, np.int32)] * (len(self.caches.memory.state) - len(dst_lists))
+                src_lists = [
+                    s if len(d) else np.zeros(0, np.int32)
+                    for s, d in zip(src.state_indices(self.caches.spec), dst_lists, strict=True)
+                ]
+                self._state_plans[key] = conn.plan.plan_state(src_lists, dst_lists)
+            group = self._state_plans[key][part.component]
+            kind, chunk, last, comp = wire.NotificationKind.STATE, 0, False, part.component
+        else:
+            assert isinstance(part, AuxPart)
+            group = conn.plan.plan_aux(src.aux, int(req.dst_aux_index))
+            kind, chunk, last, comp = wire.NotificationKind.AUX, 0, False, 0
+        note = wire.Notification(
+            room=a.room, kind=kind, chunk_id=chunk, is_last=last, sender_rank=self.sender_rank, component=comp
+        )
+        return group, note
+
+    def _post(self, a: PostTransfer) -> None:
+        conn = self._by_peer.get(a.peer)
+        if conn is None or conn.backend_peer is None:
+            self._run(
+                self.session.fail_room(a.room, Failure(FailureKind.PEER_GONE, f"{a.peer} is not connected"))
+            )
+            return
+        try:
+            group, note = self._plan(a, conn)
+        except (PlanError, KeyError, ValueError) as exc:
+            self._run(
+                self.session.fail_room(a.room, Failure(FailureKind.VALIDATION, f"planning {a.part}: {exc}"))
+            )
+            return
+        table: DescriptorTable = group.table
+        if len(table) == 0:
+            self._send(conn, note)  # nothing to write: the completion rides on the control socket
+            self.stats.control_notifications += 1
+            self._done_now.append(a.xfer_id)
+            return
+        try:
+            h = self.backend.post(conn.backend_peer, table, wire.encode_bytes(note, conn.version))
+        except BackendError as exc:
+            self._run(
+                self.session.fail_room(
+                    a.room, Failure(FailureKind.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")
+                )
+            )
+            return
+        self._handles[a.xfer_id] = h
+        self.stats.posts += 1
+        self.stats.bytes_posted += table.total_bytes
+        self.stats.descriptors += len(table)
+
+    def _release(self, a: ReleaseRoom) -> None:
+        for x in a.xfer_ids:
+            h = self._handles.pop(x, None)
+            if h is not None:
+                self.backend.release(h)
+            if x in self._done_now:
+                self._done_now.remove(x)
+        for key in [k for k in self._requests if k[0] == a.room]:
+            del self._requests[key]
+            self._state_plans.pop(key, None)
+        self._sources.pop(a.room, None)
+        if a.status is RoomStatus.SUCCESS:
+            self.stats.rooms_ok += 1
+        else:
+            self.stats.rooms_failed += 1
+            if a.failure is not None:
+                self.stats.failures.append(f"room {a.room}: {a.failure.reason}")
+        if self.on_release is not None:
+            self.on_release(a.room, a.status, a.failure)
