@@ -1,4 +1,4 @@
-"""Hypothesis profiles: "ci" (default, bounded run time) and "dev" (HYPOTHESIS_PROFILE=dev, many more examples)."""
+"""Hypothesis profiles: "ci" (default, bounded run time); "dev" (HYPOTHESIS_PROFILE=dev) runs many more."""
 
 import os
 
