@@ -25,6 +25,7 @@ Set ``UCX_NET_DEVICES=lo`` on a single host and ``NIXL_LOG_LEVEL=WARN`` to quiet
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,23 @@ from pdwire.runtime.backends.base import (
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
 
 
+def _skip_verbs_modules_without_rdma_devices() -> None:
+    """Keep UCX from loading its InfiniBand/RDMA-CM modules on a host with no RDMA device.
+
+    NIXL's wheel bundles its own libnl-route; UCX's ib module also pulls in the system
+    libibverbs (installed for Mooncake), which loads the system libnl-route. With both
+    copies mapped, the process segfaults in libnl's destructor at exit
+    (``rtnl_tc_unregister`` from ``_dl_fini``) once a peer has connected. Without an RDMA
+    device those modules have nothing to drive, so skipping them loses nothing; on a host
+    with one (``/sys/class/infiniband`` not empty) UCX is left alone. An operator's own
+    ``UCX_MODULES`` always wins. Must run before UCX is first loaded.
+    """
+    ib = "/sys/class/infiniband"
+    if os.path.isdir(ib) and os.listdir(ib):
+        return
+    os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+
+
 @dataclass
 class _Xfer:
     reqs: list[Any]  # nixl_xfer_handle per batch
@@ -73,6 +91,7 @@ class NixlBackend(Backend):
         ucx_params: dict[str, str] | None = None,
     ) -> None:
         super().__init__(agent_name, transfer_timeout_s)
+        _skip_verbs_modules_without_rdma_devices()
         from nixl._api import nixl_agent, nixl_agent_config
 
         if max_descs_per_xfer <= 0:
