@@ -112,6 +112,8 @@ def _diff_messages(old: Protocol, new: Protocol, add: _Add) -> None:
             add(True, where, f"type id changed {om.type_id} -> {nm.type_id}")
         if om.since != nm.since:
             add(True, where, f"since changed {format_version(om.since)} -> {format_version(nm.since)}")
+        if (om.backend, om.min_frames, om.match) != (nm.backend, nm.min_frames, nm.match):
+            add(True, where, "positional framing changed (backend, min_frames or match)")
         _diff_fields(om, nm, where, add)
     for name, nm in new.messages.items():
         if name in old.messages:
@@ -174,6 +176,15 @@ def _diff_field(of: Field, nf: Field, loc: str, add: _Add) -> None:
         add(True, loc, f"default changed {of.default!r} -> {nf.default!r}")
     if of.since != nf.since:
         add(True, loc, f"since changed {format_version(of.since)} -> {format_version(nf.since)}")
+    # positional layouts: where and how a field travels is its wire format
+    if (of.encoding, of.frame, of.fallback) != (nf.encoding, nf.frame, nf.fallback):
+        add(
+            True,
+            loc,
+            f"positional wire format changed: encoding {of.encoding} frame {of.frame} -> "
+            f"encoding {nf.encoding} frame {nf.frame}"
+            + (f", fallback {of.fallback} -> {nf.fallback}" if of.fallback != nf.fallback else ""),
+        )
     if of.removed != nf.removed:
         if of.removed is None and nf.removed is not None:
             add(False, loc, f"removed from {format_version(nf.removed)} (position kept)")

@@ -13,7 +13,7 @@ import itertools
 from .errors import SchemaError, where
 from .model import Field, Message, Protocol, TypeRef, Version, format_version
 
-LAYOUTS = frozenset({"envelope"})
+LAYOUTS = frozenset({"envelope", "positional"})
 
 
 def check_protocol(p: Protocol) -> None:
@@ -58,6 +58,10 @@ def check_protocol(p: Protocol) -> None:
                 raise SchemaError(loc, f"type_id {m.type_id} already used by {type_ids[m.type_id]}")
             type_ids[m.type_id] = f"message {m.name}"
         _check_message(p, m)
+    if p.layout == "positional":
+        from .positional import check_positional
+
+        check_positional(p)
 
 
 def _check_enums(p: Protocol) -> None:
@@ -136,7 +140,13 @@ def _check_field(p: Protocol, m: Message, fld: Field, loc: str) -> None:
         )
     for t in fld.type.walk():
         _check_type_exists(p, t, fld.since, loc)
-    if fld.type.kind == "list" and fld.type.elem is not None and fld.type.elem.kind == "list":
+    # (positional layouts carry nested lists as one encoded frame; see codegen/positional.py)
+    if (
+        p.layout == "envelope"
+        and fld.type.kind == "list"
+        and fld.type.elem is not None
+        and fld.type.elem.kind == "list"
+    ):
         inner = fld.type.elem.elem
         if inner is None or inner.kind not in ("blob", "bytes", "str", "scalar", "enum"):
             raise SchemaError(

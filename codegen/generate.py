@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .loader import load_dir
+from .positional import render_positional
 from .render import render_protocol
 
 # the protocol whose generated package is `pdwire.wire` itself; others get a sub-folder
@@ -30,7 +31,8 @@ def render_all(schema_dir: Path, repo_root: Path) -> Output:
             label = src.name
         sub = Path() if proto.name == ROOT_PROTOCOL else Path(proto.name)
         dirs.add(sub)
-        for rel, text in render_protocol(proto, label).items():
+        render = render_positional if proto.layout == "positional" else render_protocol
+        for rel, text in render(proto, label).items():
             files[sub / rel] = text
     return Output(files, frozenset(dirs))
 

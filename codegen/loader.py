@@ -133,7 +133,17 @@ def _build_field(fd: FieldDoc, msg_name: str, md: MessageDoc, doc: ProtocolDoc, 
         deprecated=deprecated,
         doc=fd.doc.strip(),
         encoding=fd.encoding,
+        frame=fd.frame,
+        fallback=fd.fallback,
     )
+
+
+def _min_frames(md: MessageDoc, name: str, file: str) -> tuple[tuple[Version, int], ...]:
+    if md.min_frames is None:
+        return ()
+    if isinstance(md.min_frames, int):
+        return ((parse_version(md.since, where(file, name)), md.min_frames),)
+    return tuple(sorted((parse_version(k, where(file, name)), n) for k, n in md.min_frames.items()))
 
 
 def build_protocol(doc: ProtocolDoc, file: str) -> Protocol:
@@ -177,6 +187,11 @@ def build_protocol(doc: ProtocolDoc, file: str) -> Protocol:
             doc=md.doc.strip(),
             fields=fields,
             reserved=reserved,
+            backend=md.backend,
+            min_frames=_min_frames(md, name, file),
+            match=tuple(sorted(md.match.items())),
+            checks=tuple(md.checks),
+            derived=tuple(md.derived.items()),
         )
     return Protocol(
         name=doc.protocol,
@@ -188,6 +203,7 @@ def build_protocol(doc: ProtocolDoc, file: str) -> Protocol:
         messages=messages,
         migrations=doc.migrations,
         reserved_types=tuple((r.type_id, r.name) for r in doc.reserved_types),
+        rules=doc.rules,
     )
 
 

@@ -89,6 +89,8 @@ class Field:
     deprecated: str | None = None
     doc: str = ""
     encoding: str | None = None
+    frame: int | None = None  # positional layouts only
+    fallback: str | None = None  # positional layouts only
 
     @property
     def required(self) -> bool:
@@ -126,6 +128,12 @@ class Message:
     doc: str
     fields: tuple[Field, ...]
     reserved: tuple[Reserved, ...] = ()
+    # positional layouts only (see codegen/positional.py)
+    backend: str | None = None
+    min_frames: tuple[tuple[Version, int], ...] = ()  # from the version on
+    match: tuple[tuple[int, str], ...] = ()
+    checks: tuple[str, ...] = ()
+    derived: tuple[tuple[str, str], ...] = ()
 
     def fields_at(self, v: Version) -> list[Field]:
         return [f for f in self.fields if f.present_in(v)]
@@ -185,6 +193,7 @@ class Protocol:
     messages: dict[str, Message] = field(default_factory=dict)
     migrations: str | None = None
     reserved_types: tuple[tuple[int, str], ...] = ()
+    rules: str | None = None  # positional layouts only
 
     @property
     def version_list(self) -> list[Version]:

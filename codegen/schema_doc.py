@@ -25,6 +25,11 @@ class FieldDoc(msgspec.Struct, forbid_unknown_fields=True):
     doc: str = ""
     # encoding of this field in a positional layout (unused by the envelope layout)
     encoding: str | None = None
+    # positional layouts: the frame index (a field's id is its identity, its frame its position,
+    # so a later version can put a new field where a removed one was)
+    frame: int | None = None
+    # positional layouts: how the default travels ("empty", "blank", "omit"; codegen/positional.py)
+    fallback: str | None = None
 
 
 class ReservedDoc(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,6 +44,14 @@ class MessageDoc(msgspec.Struct, forbid_unknown_fields=True):
     since: str = "1.0"
     doc: str = ""
     reserved: list[ReservedDoc] = []
+    # positional layouts (see schema/README.md, "Layouts"): who speaks the message, how many
+    # leading frames are always present, frame predicates that recognise it, cross-frame
+    # checks and derived properties implemented in the protocol's `rules` module
+    backend: str | None = None
+    min_frames: int | dict[str, int] | None = None  # one count, or per version
+    match: dict[int, str] = {}
+    checks: list[str] = []
+    derived: dict[str, str] = {}
 
 
 class EnumDoc(msgspec.Struct, forbid_unknown_fields=True):
@@ -71,3 +84,5 @@ class ProtocolDoc(msgspec.Struct, forbid_unknown_fields=True):
     enums: dict[str, EnumDoc] = {}
     migrations: str | None = None
     reserved_types: list[ReservedTypeDoc] = []
+    # positional layouts: module with the hand-written checks and derived properties
+    rules: str | None = None

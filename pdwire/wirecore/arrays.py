@@ -86,14 +86,20 @@ def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: st
 
 
 class Cursor:
-    """Decode-side state: the received frames and the next side frame a body may reference."""
+    """Decode-side state: the received frames and which side frames the body referenced.
 
-    __slots__ = ("frames", "message", "next")
+    References must increase (no frame is read twice, none out of order). A message of the
+    reader's own minor must reference every side frame; one of a newer minor may carry
+    frames for fields this reader skips.
+    """
+
+    __slots__ = ("frames", "message", "next", "used")
 
     def __init__(self, frames: Sequence[Buffer], message: str) -> None:
         self.frames = frames
         self.message = message
         self.next = 2
+        self.used = 0
 
     def array(self, value: bytes | int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
         if isinstance(value, bytes):
@@ -108,9 +114,9 @@ class Cursor:
         return self._side(value, dtype, itemsize, field)
 
     def _side(self, index: int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
-        if index != self.next:
+        if index < self.next:
             raise ArrayError(
-                f"references frame {index}; the next side frame is {self.next}",
+                f"references frame {index}; side frames are referenced once, in order (next >= {self.next})",
                 message=self.message,
                 field=field,
                 frame=1,
@@ -121,6 +127,7 @@ class Cursor:
             )
         buf = self.frames[index]
         self.next = index + 1
+        self.used += 1
         if len(buf) % itemsize:
             raise ArrayError(
                 f"{len(buf)} bytes is not a multiple of {dtype.name}'s {itemsize}",
@@ -130,12 +137,12 @@ class Cursor:
             )
         return np.frombuffer(buf, dtype)
 
-    def finish(self) -> None:
-        if self.next != len(self.frames):
+    def finish(self, strict: bool = True) -> None:
+        if strict and self.used != len(self.frames) - 2:
             raise FrameCountError(
-                f"{len(self.frames)} frames received but the body references {self.next - 2} side frames",
+                f"{len(self.frames) - 2} side frame(s) received but the body references {self.used}",
                 message=self.message,
-                frame=self.next,
+                frame=len(self.frames) - 1,
             )
 
 

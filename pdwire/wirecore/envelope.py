@@ -85,8 +85,11 @@ def encode_bytes_with(mc: MessageCodec, msg: Any) -> bytes:
     return mc.header + body
 
 
-def decode_with(mc: MessageCodec, frames: Frames) -> Any:
-    """Decode the body (and side frames) of a message whose header was already checked."""
+def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
+    """Decode the body (and side frames) of a message whose header was already checked.
+
+    ``strict=False`` (a newer minor) tolerates side frames of fields this version skips.
+    """
     try:
         wire = mc.decoder.decode(frames[1])
     except msgspec.MsgspecError as exc:
@@ -102,7 +105,7 @@ def decode_with(mc: MessageCodec, frames: Frames) -> Any:
         raise
     except Exception as exc:
         raise BodyError(f"undecodable body: {exc!r}", message=mc.name, frame=1) from None
-    cursor.finish()
+    cursor.finish(strict)
     return msg
 
 
@@ -223,7 +226,7 @@ class Registry:
         if entry is None:
             entry = self._resolve(major, minor, tid)
         mc, step = entry
-        msg = decode_with(mc, frames)
+        msg = decode_with(mc, frames, (major, minor) <= mc.version)
         return (msg if step is None else step(msg)), (major, minor)
 
     def decode_bytes(self, buf: Buffer) -> Any:
@@ -272,6 +275,6 @@ def single_version_decoder(
             raise UnknownMessageType(
                 f"message type {tid} is not known at version {version[0]}.{version[1]}", frame=0
             )
-        return decode_with(mc, frames)
+        return decode_with(mc, frames, minor == version[1])
 
     return decode

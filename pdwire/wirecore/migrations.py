@@ -21,7 +21,16 @@ from .errors import DowngradeError
 
 
 def upgrade_RegisterInfo_1_1(old: Any, new: ModuleType) -> dict[str, Any]:
-    has_state = int(old.flat_state_type) != 0 or len(old.flat_state_base_addrs) > 0
+    # "no state" in 1.0 is every flat field at its default; anything else is one component
+    has_state = int(old.flat_state_type) != 0 or any(
+        len(a)
+        for a in (
+            old.flat_state_base_addrs,
+            old.flat_state_region_lens,
+            old.flat_state_bytes_per_slot,
+            old.flat_state_shard_axis_sizes,
+        )
+    )
     if not has_state:
         return {"state_components": []}
     comp = new.StateComponent(

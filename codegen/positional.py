@@ -1,0 +1,427 @@
+"""The positional layout: each field is one frame, written with its ``encoding:``.
+
+Used for foreign protocols whose frames are fixed positions (SGLang's Mooncake/NIXL/MoRI
+control messages). :func:`check_positional` adds the layout's rules to the evolution
+checks; :func:`render_positional` builds the view data and renders the ``positional_*``
+templates. As in :mod:`.render`, every decision (which ``pdwire.wirecore.frame_encodings``
+call encodes a field, what an absent frame decodes to) is made here; templates print.
+
+Per-field keys: ``frame`` (wire index, guard frames included), ``encoding`` (see
+:data:`ENCODINGS`), ``fallback``: ``empty`` (an empty frame decodes to the default, as a
+parser's ``or default`` does), ``blank`` (the default travels as an empty frame), ``omit``
+(the builder leaves this last frame out when it holds the default). Per-message keys:
+``backend``, ``min_frames`` (frames from this index on may be missing and then decode to
+their defaults; one count or one per version), ``match`` (frame -> ``dec``/``not_dec``
+predicates that, with the ``const`` frames, recognise the message), ``checks`` and
+``derived`` (functions of the protocol's ``rules`` module: cross-frame problems, and
+read-only properties such as a backend's dummy rule).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import SchemaError, where
+from .model import INT_RANGES, Field, Message, Protocol, TypeRef, Version, format_version
+from .render import _env, banner, mod_name
+
+# encoding -> type spellings it accepts ("int" = any integer scalar, "enum" = any enum)
+ENCODINGS: dict[str, frozenset[str]] = {
+    "const": frozenset({"str"}),
+    "ascii": frozenset({"str"}),
+    "utf8": frozenset({"str", "optional<str>"}),
+    "ascii_int": frozenset({"int", "optional<int>", "enum"}),
+    "flag01": frozenset({"bool", "optional<bool>"}),
+    "native_u64": frozenset({"optional<int>"}),  # u64 only (checked below)
+    "native_u64_array": frozenset({"u64[]"}),
+    "native_u32_array": frozenset({"u32[]"}),
+    "native_i32_array": frozenset({"i32[]"}),
+    "le_u32_array": frozenset({"u32[]"}),
+    "le_list_of_lists": frozenset({"list<i32[]>", "list<u32[]>", "list<u64[]>"}),
+    "msgpack_blob_list": frozenset({"list<blob>", "list<list<optional<blob>>>"}),
+    "ascii_csv": frozenset({"list<str>"}),
+    "raw": frozenset({"blob", "bytes"}),
+}
+FALLBACKS = frozenset({"empty", "blank", "omit"})
+PREDICATES = frozenset({"dec", "not_dec"})
+_ARRAY_DTYPE = {
+    "native_u64_array": "NATIVE_U64",
+    "native_u32_array": "NATIVE_U32",
+    "native_i32_array": "NATIVE_I32",
+    "le_u32_array": "LE_U32",
+}
+_LIST_DTYPE = {"i32": "LE_I32", "u32": "LE_U32", "u64": "LE_U64"}
+_NP = {"i32": "np.int32", "u32": "np.uint32", "u64": "np.uint64"}
+_DERIVED_RE = re.compile(r"^([a-z_][a-z0-9_]*)\s*->\s*(.+)$")
+
+
+def type_class(t: TypeRef) -> str:
+    """The spelling :data:`ENCODINGS` keys on: integer scalars as ``int``, enums as ``enum``."""
+    if t.kind == "scalar" and t.name != "bool":
+        return "int"
+    if t.kind == "enum":
+        return "enum"
+    if t.kind == "optional" and t.elem is not None and t.elem.kind == "scalar" and t.elem.name != "bool":
+        return "optional<int>"
+    return t.spell()
+
+
+def min_frames_at(m: Message, v: Version) -> int | None:
+    best = None
+    for since, n in m.min_frames:
+        if since <= v:
+            best = n
+    return best
+
+
+# --- checks -------------------------------------------------------------------------------------
+def check_positional(p: Protocol) -> None:
+    f = p.source
+    if p.rules is None:
+        raise SchemaError(where(f), "a positional protocol names its `rules` module")
+    for m in p.messages.values():
+        if m.type_id is None:
+            raise SchemaError(where(f, m.name), "positional messages are top level (give a type_id)")
+        if not m.backend:
+            raise SchemaError(where(f, m.name), "positional messages name their backend")
+        if not m.min_frames:
+            raise SchemaError(where(f, m.name), "positional messages give min_frames")
+        for name in m.checks:
+            if not name.isidentifier():
+                raise SchemaError(where(f, m.name), f"check {name!r} is not a function name")
+        for prop, spec in m.derived:
+            if not prop.isidentifier() or _DERIVED_RE.match(spec) is None:
+                raise SchemaError(where(f, m.name), f"derived {prop}: write it as 'function -> type'")
+        for fld in m.fields:
+            _check_field(p, m, fld)
+        for v in p.version_list:
+            if m.since <= v:
+                _check_frames(p, m, v)
+
+
+def _check_field(p: Protocol, m: Message, fld: Field) -> None:
+    loc = where(p.source, m.name, f"{fld.name} (id {fld.id})")
+    if fld.frame is None or fld.frame < 0:
+        raise SchemaError(loc, "positional fields give their frame index (>= 0)")
+    if fld.encoding not in ENCODINGS:
+        raise SchemaError(loc, f"unknown encoding {fld.encoding!r} (known: {sorted(ENCODINGS)})")
+    tc = type_class(fld.type)
+    if tc not in ENCODINGS[fld.encoding]:
+        allowed = ", ".join(sorted(ENCODINGS[fld.encoding]))
+        raise SchemaError(
+            loc, f"encoding {fld.encoding} does not carry {fld.type.spell()} (carries {allowed})"
+        )
+    if fld.encoding == "native_u64" and fld.type.spell() != "optional<u64>":
+        raise SchemaError(loc, "encoding native_u64 carries optional<u64> only")
+    if fld.encoding == "const" and not isinstance(fld.default, str):
+        raise SchemaError(loc, "a const frame gives its text as the default")
+    if fld.fallback is not None:
+        if fld.fallback not in FALLBACKS:
+            raise SchemaError(loc, f"unknown fallback {fld.fallback!r} (known: {sorted(FALLBACKS)})")
+        if fld.required:
+            raise SchemaError(loc, f"fallback {fld.fallback} needs a default")
+        if fld.fallback in ("empty", "blank") and (fld.encoding != "ascii_int" or tc != "int"):
+            raise SchemaError(loc, f"fallback {fld.fallback} applies to ascii_int integers only")
+
+
+def _check_frames(p: Protocol, m: Message, v: Version) -> None:
+    loc = where(p.source, m.name) + f" at {format_version(v)}"
+    fields = sorted(m.fields_at(v), key=lambda x: x.frame or 0)
+    frames = [x.frame for x in fields]
+    if frames != list(range(len(frames))):
+        raise SchemaError(loc, f"frames must be 0..n-1, each once; got {frames}")
+    low = min_frames_at(m, v)
+    if low is None or not 1 <= low <= len(fields):
+        raise SchemaError(loc, f"min_frames {low} must be in 1..{len(fields)}")
+    for x in fields:
+        assert x.frame is not None
+        if x.frame >= low and x.required:
+            raise SchemaError(
+                loc + f", field {x.name}",
+                f"frame {x.frame} may be missing (min_frames {low}) so the field needs a default",
+            )
+        if x.fallback == "omit" and (x.frame != len(fields) - 1 or x.frame < low):
+            raise SchemaError(loc + f", field {x.name}", "fallback omit is for the last, optional frame")
+        if x.encoding == "const" and x.frame >= low:
+            raise SchemaError(loc + f", field {x.name}", "const frames are always present")
+    for i, pred in m.match:
+        if pred not in PREDICATES or not 0 <= i < low:
+            raise SchemaError(
+                loc, f"match {i}: {pred} needs a predicate {sorted(PREDICATES)} on an always-present frame"
+            )
+
+
+# --- views -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FrameView:
+    frame: int
+    name: str
+    const: str | None  # literal text of a const frame
+    encoding: str
+    py_type: str
+    py_default: str | None  # struct default (None: required)
+    absent: str | None  # value of a missing trailing frame (None: always present)
+    enc: str  # expression over `m`
+    dec: str  # expression over `fr`
+    strategy: str
+    spell: str
+    omit_default: str | None  # last frame left out when the value equals this
+    doc: str
+    since: str
+
+
+@dataclass(frozen=True)
+class DerivedView:
+    name: str
+    func: str
+    type: str
+
+
+@dataclass(frozen=True)
+class MessageView:
+    name: str
+    backend: str
+    doc: str
+    frames: list[FrameView]
+    min_frames: int
+    consts: list[tuple[int, str]]
+    match: list[tuple[int, str]]
+    checks: list[str]
+    derived: list[DerivedView]
+
+    @property
+    def fields(self) -> list[FrameView]:
+        return [f for f in self.frames if f.const is None]
+
+
+@dataclass(frozen=True)
+class VersionView:
+    version: Version
+    text: str
+    module: str
+    doc: str
+    messages: list[MessageView]
+    enums: list[tuple[str, str, list[tuple[str, int]]]]
+
+
+def _py_type(t: TypeRef) -> str:
+    if t.kind == "scalar":
+        return "bool" if t.name == "bool" else "int"
+    if t.kind in ("str",):
+        return "str"
+    if t.kind in ("bytes", "blob"):
+        return "bytes"
+    if t.kind == "array":
+        return f"npt.NDArray[{_NP[t.name]}]"
+    if t.kind == "enum":
+        return t.name
+    assert t.elem is not None
+    if t.kind == "list":
+        return f"list[{_py_type(t.elem)}]"
+    return f"{_py_type(t.elem)} | None"
+
+
+def _literal(p: Protocol, f: Field) -> str:
+    """The default as a Python expression (shared read-only empty arrays for arrays)."""
+    t, d = f.type, f.default
+    if t.kind == "array":
+        return f"_EMPTY_{t.name.upper()}"
+    if t.kind == "list":
+        return "[]"
+    if t.kind == "enum":
+        return f"{t.name}.{str(d).upper()}"
+    if t.kind in ("bytes", "blob"):
+        return 'b""'
+    return repr(d)
+
+
+def _struct_default(p: Protocol, f: Field) -> str | None:
+    if f.required:
+        return None
+    if f.type.kind == "array":
+        return f"msgspec.field(default_factory=lambda: _EMPTY_{f.type.name.upper()})"
+    if f.type.kind == "list":
+        return "msgspec.field(default_factory=list)"
+    return _literal(p, f)
+
+
+def _range(t: TypeRef) -> tuple[int, int]:
+    name = t.elem.name if t.kind == "optional" and t.elem is not None else t.name
+    return INT_RANGES[name]
+
+
+def _codec(p: Protocol, f: Field, w: str) -> tuple[str, str]:
+    """(encode expression over ``m``, decode expression over ``x``) for one field."""
+    e, t, v = f.encoding, f.type, f"m.{f.name}"
+    x = f"fr[{f.frame}]"
+    opt = t.kind == "optional"
+    if e == "const":
+        lit = str(f.default).encode("ascii")
+        return repr(lit), f"_fe.expect_const({x}, {lit!r}, {w})"
+    if e in ("ascii", "raw", "ascii_csv"):
+        short = {"ascii": "ascii", "raw": "raw", "ascii_csv": "csv"}[e]
+        return f"_fe.enc_{short}({v}, {w})", f"_fe.dec_{short}({x}, {w})"
+    if e == "utf8":
+        s = "_opt" if opt else ""
+        return f"_fe.enc_utf8{s}({v}, {w})", f"_fe.dec_utf8{s}({x}, {w})"
+    if e == "flag01":
+        s = "_opt" if opt else ""
+        return f"_fe.enc_flag{s}({v}, {w})", f"_fe.dec_flag{s}({x}, {w})"
+    if e == "native_u64":
+        return f"_fe.enc_u64_opt({v}, {w})", f"_fe.dec_u64_opt({x}, {w})"
+    if e in _ARRAY_DTYPE:
+        dt = f"_fe.{_ARRAY_DTYPE[e]}"
+        return f"_fe.enc_array({v}, {dt}, {w})", f"_fe.dec_array({x}, {dt}, {w})"
+    if e == "le_list_of_lists":
+        assert t.elem is not None
+        dt = f"_fe.{_LIST_DTYPE[t.elem.name]}"
+        return f"_fe.enc_lists({v}, {dt}, {w})", f"_fe.dec_lists({x}, {dt}, {w})"
+    if e == "msgpack_blob_list":
+        s = "blob_lists" if t.elem is not None and t.elem.kind == "list" else "blobs"
+        return f"_fe.enc_{s}({v}, {w})", f"_fe.dec_{s}({x}, {w})"
+    assert e == "ascii_int", e
+    if t.kind == "enum":
+        return f"_fe.enc_enum({v}, {t.name}, {w})", f"_fe.dec_enum({x}, {t.name}, {w})"
+    lo, hi = _range(t)
+    if opt:
+        return f"_fe.enc_int_opt({v}, {lo}, {hi}, {w})", f"_fe.dec_int_opt({x}, {lo}, {hi}, {w})"
+    if f.fallback == "empty":
+        return f"_fe.enc_int({v}, {lo}, {hi}, {w})", f"_fe.dec_int_or({x}, {lo}, {hi}, {f.default!r}, {w})"
+    if f.fallback == "blank":
+        return (
+            f"_fe.enc_int_blank({v}, {lo}, {hi}, {f.default!r}, {w})",
+            f"_fe.dec_int_blank({x}, {lo}, {hi}, {f.default!r}, {w})",
+        )
+    return f"_fe.enc_int({v}, {lo}, {hi}, {w})", f"_fe.dec_int({x}, {lo}, {hi}, {w})"
+
+
+def _strategy(f: Field) -> str:
+    t, e = f.type, f.encoding
+    opt = t.kind == "optional"
+    base: str
+    if e == "const":
+        return ""  # not a struct field
+    if e in ("ascii",):
+        base = "_ascii"
+    elif e == "utf8":
+        base = "_reason" if opt else "_utf8"
+        return base
+    elif e == "raw":
+        base = "_blob"
+    elif e == "ascii_csv":
+        base = "_mem_kinds"
+    elif e == "flag01":
+        base = "st.booleans()"
+    elif e == "native_u64":
+        base = f"st.integers(0, {2**64 - 1})"
+    elif e in _ARRAY_DTYPE:
+        base = f"_array({t.name!r})"
+    elif e == "le_list_of_lists":
+        assert t.elem is not None
+        base = f"st.lists(_array({t.elem.name!r}), max_size=4)"
+    elif e == "msgpack_blob_list":
+        nested = t.elem is not None and t.elem.kind == "list"
+        base = (
+            "st.lists(st.lists(st.none() | _blob, max_size=3), max_size=3)"
+            if nested
+            else "st.lists(_blob, max_size=3)"
+        )
+    elif t.kind == "enum":
+        base = f"st.sampled_from(list(_v.{t.name}))"
+    else:
+        lo, hi = _range(t)
+        base = f"st.integers({lo}, {hi})"
+    return f"st.none() | {base}" if opt else base
+
+
+def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
+    low = min_frames_at(m, v)
+    assert low is not None and m.backend is not None
+    frames = []
+    for f in sorted(m.fields_at(v), key=lambda x: x.frame or 0):
+        assert f.frame is not None
+        w = f"_W_{m.name}[{f.name!r}]"
+        enc, dec = _codec(p, f, w)
+        absent = _literal(p, f) if f.frame >= low else None
+        if absent is not None:
+            dec = f"({dec} if n > {f.frame} else {absent})"
+        frames.append(
+            FrameView(
+                frame=f.frame,
+                name=f.name,
+                const=str(f.default) if f.encoding == "const" else None,
+                encoding=f.encoding or "",
+                py_type=_py_type(f.type),
+                py_default=_struct_default(p, f),
+                absent=absent,
+                enc=enc,
+                dec=dec,
+                strategy=_strategy(f),
+                spell=f.type.spell(),
+                omit_default=_literal(p, f) if f.fallback == "omit" else None,
+                doc=f.doc,
+                since=format_version(f.since),
+            )
+        )
+    derived = []
+    for prop, spec in m.derived:
+        match = _DERIVED_RE.match(spec)
+        assert match is not None
+        derived.append(DerivedView(prop, match.group(1), match.group(2).strip()))
+    return MessageView(
+        name=m.name,
+        backend=m.backend,
+        doc=m.doc,
+        frames=frames,
+        min_frames=low,
+        consts=[(fv.frame, fv.const) for fv in frames if fv.const is not None],
+        match=list(m.match),
+        checks=list(m.checks),
+        derived=derived,
+    )
+
+
+def version_views(p: Protocol) -> list[VersionView]:
+    out = []
+    for info in p.versions:
+        v = info.version
+        enums = [(e.name, e.doc, [(x.name.upper(), x.number) for x in e.values_at(v)]) for e in p.enums_at(v)]
+        msgs = [_message_view(p, m, v) for m in p.messages_at(v)]
+        out.append(VersionView(v, format_version(v), mod_name(v), info.doc, msgs, enums))
+    return out
+
+
+def _imports(rules: str) -> list[str]:
+    """The runtime imports of a version module, in the order ruff's isort wants them."""
+    pkg, _, mod = rules.rpartition(".")
+    lines = {
+        "from pdwire.wirecore import frame_encodings as _fe",
+        "from pdwire.wirecore import positional_codec as _pc",
+        f"from {pkg} import {mod} as _rules",
+    }
+    return sorted(lines, key=lambda x: (x.split(" import ")[0], x.split(" import ")[1]))
+
+
+def render_positional(p: Protocol, source: str) -> dict[str, str]:
+    """Every generated file of one positional protocol: relative path -> text."""
+    env = _env()
+    versions = version_views(p)
+    ctx = {
+        "p": p,
+        "banner": banner(p, source),
+        "md_banner": banner(p, source, "<!--").replace("\n", " -->\n") + " -->",
+        "versions": versions,
+        "newest": versions[-1],
+        "backends": sorted({m.backend for v in versions for m in v.messages}),
+        "imports": _imports(p.rules or ""),
+    }
+    files: dict[str, str] = {}
+    for vv in versions:
+        files[f"{vv.module}.py"] = env.get_template("positional_version.py.j2").render(ctx, v=vv)
+    files["codec.py"] = env.get_template("positional_codec.py.j2").render(ctx)
+    files["strategies.py"] = env.get_template("positional_strategies.py.j2").render(ctx)
+    files["__init__.py"] = env.get_template("positional_init.py.j2").render(ctx)
+    files["REFERENCE.md"] = env.get_template("positional_reference.md.j2").render(ctx)
+    files["py.typed"] = ""
+    return files

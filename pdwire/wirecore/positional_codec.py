@@ -1,0 +1,177 @@
+"""Runtime of generated positional profiles: message table, recognition and dispatch.
+
+A positional profile (SGLang's frames) has no header: a message is recognised by its fixed
+frames (guard, ``"None"`` register marker, status tag) and a few frame predicates
+(``dec``: a canonical decimal, ``not_dec``: anything else), always within one profile
+version the caller chooses. The generated version modules list one :class:`MessageSpec`
+per message; :class:`ProfileCodec` finds, decodes and encodes with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .frame_encodings import Buf, as_buffers, frame_count
+from .profile_errors import ProfileEncodeError, ProfileFrameCountError, UnrecognisedMessage, Where
+
+Version = tuple[int, int]
+Problems = list[tuple[str, str]]  # (field, problem) pairs found by a profile's cross-frame checks
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    backend: str
+    name: str
+    cls: type[Any]
+    min_frames: int
+    max_frames: int
+    consts: tuple[tuple[int, bytes], ...]
+    match: tuple[tuple[int, str], ...]
+    decode: Callable[[list[Buf]], Any]
+    encode: Callable[[Any], list[bytes]]
+    check: Callable[[Any], Problems]
+    derived: tuple[str, ...] = ()
+
+    def matches(self, frames: Sequence[Buf]) -> bool:
+        for i, lit in self.consts:
+            if i >= len(frames) or frames[i] != lit:
+                return False
+        return all(i < len(frames) and _PREDICATES[p](frames[i]) for i, p in self.match)
+
+
+def _is_dec(b: Buf) -> bool:
+    raw = bytes(b)
+    return 0 < len(raw) <= 20 and raw.isdigit() and (len(raw) == 1 or raw[0] != 0x30)
+
+
+_PREDICATES: dict[str, Callable[[Buf], bool]] = {"dec": _is_dec, "not_dec": lambda b: not _is_dec(b)}
+PREDICATES = frozenset(_PREDICATES)
+
+
+def count_error(profile: str, spec: MessageSpec, n: int) -> ProfileFrameCountError | None:
+    problem = frame_count(n, spec.min_frames, spec.max_frames)
+    if problem is None:
+        return None
+    return ProfileFrameCountError(problem, profile=profile, backend=spec.backend, message=spec.name)
+
+
+def raise_problems(problems: Problems, where: Mapping[str, Where], *, decode: bool) -> None:
+    """Raise the first cross-frame problem as the typed error of its field's frame."""
+    if problems:
+        field, problem = problems[0]
+        w = where[field]
+        raise w.decode_error(problem) if decode else w.encode_error(problem)
+
+
+class ProfileCodec:
+    """Every message of every version of one positional profile."""
+
+    def __init__(self, profile: str, versions: Mapping[Version, Sequence[MessageSpec]]) -> None:
+        self.profile = profile
+        self.versions = dict(versions)
+        self.newest = max(self.versions)
+        self._by_class: dict[type[Any], MessageSpec] = {
+            s.cls: s for specs in self.versions.values() for s in specs
+        }
+
+    def specs(self, version: Version | None = None) -> Sequence[MessageSpec]:
+        v = self.newest if version is None else version
+        if v not in self.versions:
+            known = ", ".join(f"{a}.{b}" for a, b in sorted(self.versions))
+            raise UnrecognisedMessage(
+                f"no profile version {v[0]}.{v[1]} (known: {known})", profile=self.profile, backend=None
+            )
+        return self.versions[v]
+
+    def recognise(
+        self,
+        frames: Sequence[object],
+        backend: str | None = None,
+        version: Version | None = None,
+        message: str | None = None,
+    ) -> MessageSpec:
+        """The message these frames are, or :class:`UnrecognisedMessage` saying why none fits."""
+        bufs = as_buffers(frames, self.profile, backend)
+        specs = [s for s in self.specs(version) if backend is None or s.backend == backend]
+        if backend is not None and not specs:
+            backends = sorted({s.backend for s in self.specs(version)})
+            raise UnrecognisedMessage(
+                f"unknown backend (known: {', '.join(backends)})", profile=self.profile, backend=backend
+            )
+        if message is not None:
+            named = [s for s in specs if s.name == message]
+            if not named:
+                names = ", ".join(s.name for s in specs)
+                raise UnrecognisedMessage(
+                    f"no message {message} here (known: {names})", profile=self.profile, backend=backend
+                )
+            return named[0]
+        hits = [s for s in specs if s.matches(bufs)]
+        if len(hits) == 1:
+            return hits[0]
+        head = ", ".join(repr(bytes(b[:16])) for b in bufs[:3]) or "no frames"
+        if not hits:
+            raise UnrecognisedMessage(
+                f"no message matches {len(bufs)} frames starting {head}",
+                profile=self.profile,
+                backend=backend,
+            )
+        raise UnrecognisedMessage(
+            f"ambiguous: frames match {', '.join(s.name for s in hits)}; name the message",
+            profile=self.profile,
+            backend=backend,
+        )
+
+    def decode(
+        self,
+        frames: Sequence[object],
+        backend: str | None = None,
+        *,
+        version: Version | None = None,
+        message: str | None = None,
+    ) -> Any:
+        spec = self.recognise(frames, backend, version, message)
+        return spec.decode(as_buffers(frames, self.profile, spec.backend))
+
+    def encode(self, msg: object) -> list[bytes]:
+        spec = self._by_class.get(type(msg))
+        if spec is None:
+            raise ProfileEncodeError(
+                f"{type(msg).__name__} is not a message of this profile", profile=self.profile, backend=None
+            )
+        return spec.encode(msg)
+
+    def spec_of(self, msg: object) -> MessageSpec:
+        spec = self._by_class.get(type(msg))
+        if spec is None:
+            raise TypeError(f"{type(msg).__name__} is not a message of profile {self.profile}")
+        return spec
+
+    def problems(self, msg: object) -> Problems:
+        """What the profile's cross-frame checks find wrong with a message (empty: encodable)."""
+        return self.spec_of(msg).check(msg)
+
+    def to_dict(self, msg: object) -> dict[str, Any]:
+        """Fields (then derived properties) as JSON-friendly values: arrays as lists, blobs as hex."""
+        spec = self.spec_of(msg)
+        out = {f.name: to_jsonable(getattr(msg, f.name)) for f in msgspec.structs.fields(spec.cls)}
+        for name in spec.derived:
+            out[name] = to_jsonable(getattr(msg, name))
+        return out
+
+
+def to_jsonable(v: object) -> Any:
+    if isinstance(v, np.ndarray):
+        return [int(x) for x in v.tolist()]
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, list):
+        return [to_jsonable(x) for x in v]
+    if isinstance(v, int) and not isinstance(v, bool) and type(v) is not int:
+        return v.name if hasattr(v, "name") else int(v)  # IntEnum members by name
+    return v

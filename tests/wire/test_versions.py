@@ -1,0 +1,199 @@
+"""The cross-version matrix, the 1.0 -> 1.1 step, and version agreement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pdwire.wire as w
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pdwire.wire import strategies as S
+from pdwire.wire import v1_0, v1_1
+
+from pdwire.wirecore.header import MAGIC, pack_header
+
+OLD, NEW = (1, 0), (1, 1)
+NAMES = list(S.STRATEGIES[OLD])
+
+
+def _b(frames: list[Any]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=30)
+@given(data=st.data())
+def test_older_minor_decodes_into_newest_model_and_back(name: str, data: st.DataObject) -> None:
+    old_msg = data.draw(S.STRATEGIES[OLD][name]())
+    frames = _b(v1_0.encode(old_msg))
+    upgraded, version = w.decode_versioned(frames)
+    assert version == OLD
+    assert type(upgraded) is getattr(v1_1, name)
+    # a 1.1 writer talking to a 1.0 peer writes exactly what the 1.0 writer wrote
+    assert _b(w.encode(upgraded, OLD)) == frames
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=30)
+@given(data=st.data())
+def test_older_generated_decoder_reads_newer_minor(name: str, data: st.DataObject) -> None:
+    new_msg = data.draw(S.STRATEGIES[NEW][name]())
+    frames = _b(w.encode(new_msg))
+    old_view = v1_0.decode(frames)  # skips the positions 1.0 does not know
+    assert type(old_view) is getattr(v1_0, name)
+    for f in old_view.__struct_fields__:
+        if hasattr(new_msg, f):
+            assert w.REGISTRY is not None and _same(getattr(old_view, f), getattr(new_msg, f)), f
+
+
+def _same(a: object, b: object) -> bool:
+    from pdwire.wirecore.arrays import values_equal
+
+    return values_equal(a, b)
+
+
+def test_flat_state_becomes_one_component() -> None:
+    old = v1_0.RegisterInfo(
+        **_register_kwargs(v1_0),
+        flat_state_type=v1_0.StateType.MAMBA,
+        flat_state_base_addrs=np.array([10, 20], dtype=np.uint64),
+        flat_state_region_lens=np.array([100, 200], dtype=np.uint64),
+        flat_state_bytes_per_slot=np.array([4, 8], dtype=np.uint64),
+        flat_state_shard_axis_sizes=np.array([16, 0], dtype=np.uint64),
+    )
+    new = w.decode(w.REGISTRY.encode(old))
+    assert isinstance(new, w.RegisterInfo)
+    (comp,) = new.state_components
+    assert comp.type == w.StateType.MAMBA
+    assert comp.base_addrs.tolist() == [10, 20] and comp.shard_axis_sizes.tolist() == [16, 0]
+    req = v1_0.TransferRequest(
+        room=3,
+        sender="d",
+        dst_kv_indices=np.arange(4, dtype=np.int32),
+        flat_state_indices=np.array([7], dtype=np.int32),
+    )
+    new_req = w.decode(w.REGISTRY.encode(req))
+    assert isinstance(new_req, w.TransferRequest)
+    assert [x.tolist() for x in new_req.state_indices if x is not None] == [[7]]
+    empty = w.decode(
+        w.REGISTRY.encode(
+            v1_0.TransferRequest(room=3, sender="d", dst_kv_indices=np.arange(2, dtype=np.int32))
+        )
+    )
+    assert isinstance(empty, w.TransferRequest) and empty.state_indices == []
+
+
+def _register_kwargs(mod: Any) -> dict[str, Any]:
+    u64 = np.arange(4, dtype=np.uint64)
+    return dict(
+        endpoint="h:1",
+        engine_id="e",
+        agent_name="a",
+        agent_metadata=b"m",
+        geometry=mod.ParallelGeometry(),
+        first_layer=0,
+        num_layers=4,
+        k_base_addrs=u64,
+        v_base_addrs=u64,
+        bytes_per_page=u64,
+        region_lens=u64,
+        num_pages=8,
+        page_size=16,
+        kv_layout=mod.KvLayout.HND,
+        kv_heads_per_rank=2,
+        kv_heads_total=8,
+        bytes_per_head=256,
+        is_mla=False,
+    )
+
+
+def test_downgrade_refuses_what_1_0_cannot_carry() -> None:
+    comp = w.StateComponent(
+        type=w.StateType.SWA,
+        base_addrs=np.arange(2, dtype=np.uint64),
+        region_lens=np.arange(2, dtype=np.uint64),
+        bytes_per_slot=np.arange(2, dtype=np.uint64),
+    )
+    two = w.RegisterInfo(**_register_kwargs(v1_1), state_components=[comp, comp])
+    with pytest.raises(w.DowngradeError, match=r"RegisterInfo\.state_components: 2 state components"):
+        w.encode(two, OLD)
+    blocks = w.StateComponent(
+        type=w.StateType.MAMBA,
+        base_addrs=comp.base_addrs,
+        region_lens=comp.region_lens,
+        bytes_per_slot=comp.bytes_per_slot,
+        sub_blocks=[np.array([8, 8, 16], dtype=np.uint64)],
+    )
+    with pytest.raises(w.DowngradeError, match="sub_blocks"):
+        w.encode(w.RegisterInfo(**_register_kwargs(v1_1), state_components=[blocks]), OLD)
+    one = w.RegisterInfo(**_register_kwargs(v1_1), state_components=[comp])
+    assert w.decode(w.encode(one, OLD)) == one
+    req = w.TransferRequest(
+        room=1,
+        sender="d",
+        dst_kv_indices=np.arange(2, dtype=np.int32),
+        state_indices=[np.arange(1, dtype=np.int32), np.arange(3, dtype=np.int32)],
+    )
+    with pytest.raises(w.DowngradeError, match=r"TransferRequest\.state_indices"):
+        w.encode(req, OLD)
+    with pytest.raises(w.DowngradeError):
+        w.encode_bytes(req, OLD)
+    with pytest.raises(w.EncodeError, match=r"version 2\.0 is not one this build writes"):
+        w.encode(req, (2, 0))
+
+
+def _hello(versions: list[tuple[int, int]], protocol: str = "pdwire") -> w.Hello:
+    return w.Hello(
+        protocol=protocol,
+        versions=[w.Version(major=a, minor=b) for a, b in versions],
+        role=w.Role.DECODE,
+        engine_id="e",
+        geometry=w.ParallelGeometry(),
+        model=w.ModelFingerprint(model_name="m", revision="r", dtype="bf16", num_layers=4),
+    )
+
+
+def test_agreement_picks_highest_common_version() -> None:
+    assert w.agree(_hello([(1, 1)]), _hello([(1, 0)])) == (1, 0)
+    assert w.agree(_hello([(1, 1), (2, 3)]), _hello([(1, 4), (2, 1)])) == (2, 1)
+    assert w.hello_versions() == [w.Version(major=1, minor=1)]
+    with pytest.raises(
+        w.VersionMismatch, match=r"this side reads 1\.0-1\.1, the peer reads 2\.0-2\.2"
+    ) as info:
+        w.agree(_hello([(1, 1)]), _hello([(2, 2)]))
+    assert info.value.theirs == [(2, 2)]
+    with pytest.raises(w.ProtocolNameMismatch, match="other"):
+        w.agree(_hello([(1, 1)]), _hello([(1, 1)], protocol="other"))
+
+
+def _with_version(frames: list[bytes], major: int, minor: int, type_id: int | None = None) -> list[bytes]:
+    import struct
+
+    _, pid, _, _, tid, side = struct.unpack("<4sHBBHH", frames[0])
+    return [pack_header(MAGIC, pid, major, minor, tid if type_id is None else type_id, side), *frames[1:]]
+
+
+def test_hello_of_a_future_major_is_readable_so_the_refusal_names_versions() -> None:
+    future = _b(w.encode(_hello([(3, 2)])))
+    peer = w.decode(_with_version(future, 3, 2))
+    assert isinstance(peer, w.Hello)
+    with pytest.raises(w.VersionMismatch, match=r"3\.0-3\.2"):
+        w.agree(_hello([(1, 1)]), peer)
+
+
+def test_other_messages_of_unknown_versions_are_refused_by_name() -> None:
+    frames = _b(w.encode(w.Abort(room=1, sender="x")))
+    with pytest.raises(
+        w.UnsupportedVersion, match=r"version 2\.0 is not supported; this build reads 1\.0-1\.1"
+    ):
+        w.decode(_with_version(frames, 2, 0))
+    # a newer minor of a known major is read with the newest known layout
+    assert w.decode(_with_version(frames, 1, 7)) == w.Abort(room=1, sender="x")
+    with pytest.raises(w.UnknownMessageType, match="type 99"):
+        w.decode(_with_version(frames, 1, 1, type_id=99))
+    with pytest.raises(w.UnknownMessageType, match="type 99"):
+        w.decode(_with_version(frames, 1, 9, type_id=99))
+    with pytest.raises(w.UnsupportedVersion, match=r"cannot be read by the 1\.1 model"):
+        v1_1.decode(_with_version(frames, 1, 0))
