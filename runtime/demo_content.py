@@ -103,7 +103,14 @@ def shard(spec: ModelSpec, name: str, full: torch.Tensor, tp: int, rank: int) ->
     raise KeyError(name)
 
 
-def _placed(view: torch.Tensor, idx: I32, part: torch.Tensor) -> torch.Tensor:
+_HND = ("kv.k", "kv.v", "swa.k", "swa.v")
+
+
+def _placed(name: str, view: torch.Tensor, idx: I32, part: torch.Tensor) -> torch.Tensor:
+    """One layer's shard ``part`` (tokens first) arranged as the pages/slots of ``view``."""
+    if name in _HND:  # [tokens, heads, dim] -> pages of [heads, page_size, dim]
+        _, heads, page, dim = view.shape
+        return part.reshape(len(idx), page, heads, dim).permute(0, 2, 1, 3)
     return part.reshape((len(idx), *view.shape[1:]))
 
 
@@ -113,7 +120,7 @@ def fill(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) ->
         idx = torch.from_numpy(slots.indices(name).astype(np.int64))
         part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
         for layer, view in enumerate(per_layer):
-            view[idx] = _placed(view, slots.indices(name), part[layer])
+            view[idx] = _placed(name, view, slots.indices(name), part[layer])
 
 
 def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> list[str]:
@@ -124,7 +131,7 @@ def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) 
         idx = torch.from_numpy(idx_np.astype(np.int64))
         part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
         for layer, view in enumerate(per_layer):
-            got, want = view[idx], _placed(view, idx_np, part[layer])
+            got, want = view[idx], _placed(name, view, idx_np, part[layer])
             bad = got != want
             if bool(bad.any()):
                 where = tuple(int(i) for i in bad.nonzero()[0])

@@ -3,8 +3,8 @@
 A rank holds, in one buffer allocated through the transfer backend (so engines can register
 it), int16 tensors shaped like a small hybrid model's caches:
 
-* attention KV pool, per layer ``[pages, page_size, heads_local, head_dim]`` for K and for V
-  (NHD), or for MLA one latent ``[pages, page_size, 1, latent_dim]`` per layer;
+* attention KV pool, per layer ``[pages, heads_local, page_size, head_dim]`` for K and for V
+  (HND), or for MLA one latent ``[pages, page_size, 1, latent_dim]`` per layer;
 * non-MLA: a Mamba component (per Mamba layer a conv state ``[slots, conv_local, width]``
   whose channels are the concatenation of independently sharded q|k|v sub-blocks, and a
   temporal state ``[slots, ssm_heads_local, ssm_head_dim, ssm_state]``) plus an SWA pool
@@ -145,16 +145,18 @@ def tensor_shapes(
         if spec.dsa_layers:
             out["dsa.index_k"] = ((cap.pages, ps, spec.dsa_dim), spec.dsa_layers)
     else:
-        out["kv.k"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
-        out["kv.v"] = ((cap.pages, ps, hl, spec.head_dim), spec.layers)
+        # HND pages ([heads][tokens][head_dim]): a head slice of a page is one contiguous run,
+        # so hetero-TP needs one descriptor per page instead of one per token.
+        out["kv.k"] = ((cap.pages, hl, ps, spec.head_dim), spec.layers)
+        out["kv.v"] = ((cap.pages, hl, ps, spec.head_dim), spec.layers)
         if spec.mamba_layers:
             conv = (cap.slots, spec.conv_channels // tp, spec.conv_width)
             out["mamba.conv"] = (conv, spec.mamba_layers)
             temporal = (cap.slots, spec.ssm_heads // tp, spec.ssm_head_dim, spec.ssm_state)
             out["mamba.temporal"] = (temporal, spec.mamba_layers)
         if spec.swa_layers:
-            out["swa.k"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
-            out["swa.v"] = ((cap.swa_pages, ps, hl, spec.head_dim), spec.swa_layers)
+            out["swa.k"] = ((cap.swa_pages, hl, ps, spec.head_dim), spec.swa_layers)
+            out["swa.v"] = ((cap.swa_pages, hl, ps, spec.head_dim), spec.swa_layers)
     out["aux"] = ((cap.aux_items, spec.aux_bytes // ELEM), 1)
     return out
 
@@ -228,7 +230,7 @@ def _describe(c: RankCaches) -> RankMemory:
     else:
         k, v = t["kv.k"], t["kv.v"]
         kv = KvPool(
-            _bases(k), _bases(v), _lens(k), _per_item(k), spec.page_size, Layout.NHD, hl, spec.kv_heads,
+            _bases(k), _bases(v), _lens(k), _per_item(k), spec.page_size, Layout.HND, hl, spec.kv_heads,
             spec.head_dim * ELEM, memory_kind=dram,
         )  # fmt: skip
         if "mamba.conv" in t:
@@ -249,7 +251,7 @@ def _describe(c: RankCaches) -> RankMemory:
                 StateKind.SWA, Indexing.PAGE,
                 (StateTensor("k", _bases(sk), _lens(sk), _per_item(sk)),
                  StateTensor("v", _bases(sv), _lens(sv), _per_item(sv))),
-                heads=HeadGeometry(spec.page_size, Layout.NHD, hl, spec.kv_heads, spec.head_dim * ELEM),
+                heads=HeadGeometry(spec.page_size, Layout.HND, hl, spec.kv_heads, spec.head_dim * ELEM),
                 memory_kind=dram,
             ))  # fmt: skip
     aux = t["aux"][0]

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 from pdwire.runtime.backends import create_backend
 from pdwire.runtime.demo_content import (
@@ -102,6 +103,7 @@ class _Pool:
 
 def rank_main(cfg: RankConfig, conn: Connection) -> None:
     """Entry point of a rank process; reports ("error", text) instead of dying silently."""
+    torch.set_num_threads(1)  # several ranks share few cores: no intra-op thread oversubscription
     try:
         (_prefill if cfg.role == "prefill" else _decode)(cfg, conn)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
