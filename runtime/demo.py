@@ -112,9 +112,7 @@ def run(args: argparse.Namespace) -> int:
             t_setup = time.perf_counter() - t_start
             print(f"  {args.prefill_tp + args.decode_tp} rank processes up and handshaken in {t_setup:.1f}s")
             t0 = time.perf_counter()
-            rooms = list(range(1, args.requests + 1))
-            for room, n in zip(rooms, lengths, strict=True):
-                c.submit(dec, pre, room, n)
+            rooms = [c.submit(dec, pre, room, n) for room, n in enumerate(lengths, start=1)]
             results = c.wait_rooms(rooms, args.timeout + 60, progress=lambda d: _bar(d, len(rooms), t0))
             wall = time.perf_counter() - t0
             sys.stderr.write("\n")
@@ -162,8 +160,9 @@ def _report(
         )
     requests_sent = sum(s["messages_out"] for s in dstats)
     lines.append(
-        f"control plane: {ctl_msgs} prefill-side messages ({ctl_msgs / max(n, 1):.1f} per request, handshakes "
-        f"included), {requests_sent} TransferRequests; per-request time: benchmarks/control_plane.py"
+        f"control plane: {ctl_msgs} prefill-side messages ({ctl_msgs / max(n, 1):.1f} per request, "
+        f"handshakes included), {requests_sent} TransferRequests; per-request time: "
+        "benchmarks/control_plane.py"
     )
     for line in lines:
         print("  " + line)

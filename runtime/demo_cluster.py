@@ -87,18 +87,18 @@ class Cluster:
             chunk_pages, chunk_delay_s,
         )  # fmt: skip
         self.groups: list[Group] = []
-        self.results: dict[int, RoomResult] = {}
+        self.results: dict[tuple[str, int], RoomResult] = {}  # (decode engine, room)
+        self.duplicates: dict[tuple[str, int], RoomResult] = {}  # refused repeated submissions
         self.prefill_done: dict[tuple[str, int], dict[int, tuple[str, str]]] = {}
-        self._room_group: dict[int, Group] = {}
 
     # ------------------------------------------------------------------ processes
 
-    def start(self, role: str, tp: int, engine_id: str, *, versions: tuple[tuple[int, int], ...] = (),
-              spec: ModelSpec | None = None) -> Group:  # fmt: skip
+    def start(self, role: str, tp: int, engine_id: str, **overrides: Any) -> Group:
+        """Start ``tp`` rank processes of one engine; ``overrides`` replace RankConfig fields
+        (``spec``, ``versions``, ``chunk_delay_s``, ``room_timeout_s``, ...)."""
         procs, conns = [], []
         for rank in range(tp):
-            cfg = replace(self.base, role=role, engine_id=engine_id, tp=tp, rank=rank, versions=versions,
-                          spec=spec or self.base.spec)  # fmt: skip
+            cfg = replace(self.base, role=role, engine_id=engine_id, tp=tp, rank=rank, **overrides)
             parent, child = self._ctx.Pipe()
             p = self._ctx.Process(
                 target=rank_main, args=(cfg, child), daemon=True, name=f"{engine_id}-{rank}"
@@ -159,8 +159,11 @@ class Cluster:
         """Start one request: decode ranks allocate and ask; prefill ranks run chunked prefill."""
         engine = prefill.engine_id
         res = RoomResult(room, decode.tp, time.perf_counter())
-        self.results[room] = res
-        self._room_group[room] = decode
+        key = (decode.engine_id, room)
+        if key in self.results and not self.results[key].done:
+            self.duplicates[key] = res  # this decode engine refuses it itself, with a typed error
+        else:
+            self.results[key] = res
         for c in decode.conns:
             c.send(("room", room, tokens, engine, timeout_s))
         if prefill_too:
@@ -169,24 +172,25 @@ class Cluster:
                     c.send(("prefill", room, tokens))
         return res
 
-    def wait_rooms(self, rooms: list[int], timeout_s: float, progress: Any = None) -> list[RoomResult]:
+    def wait_rooms(self, rooms: list[RoomResult], timeout_s: float, progress: Any = None) -> list[RoomResult]:
         def done() -> bool:
             if progress is not None:
-                progress(sum(self.results[r].done for r in rooms))
-            return all(self.results[r].done for r in rooms)
+                progress(sum(r.done for r in rooms))
+            return all(r.done for r in rooms)
 
-        self._pump(done, timeout_s, f"rooms {rooms[:4]}...")
-        return [self.results[r] for r in rooms]
+        self._pump(done, timeout_s, f"rooms {[r.room for r in rooms[:4]]}...")
+        return rooms
 
     # ------------------------------------------------------------------ message pump
 
     def _on(self, g: Group, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "room_done":
-            _, rank, room, status, reason, latency, problems = msg
-            res = self.results.get(room)
-            if res is None or rank in res.statuses:  # a duplicate submission's typed refusal
-                res = self.results.setdefault(-room - 1, RoomResult(room, g.tp, time.perf_counter()))
+            _, rank, room, status, reason, latency, problems, duplicate = msg
+            key = (g.engine_id, room)
+            res = (self.duplicates if duplicate else self.results).get(key)
+            if res is None:
+                return
             res.statuses[rank], res.reasons[rank], res.latencies[rank] = status, reason, latency
             res.problems += [f"decode rank {rank}: {p}" for p in problems]
             if res.done:

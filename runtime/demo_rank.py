@@ -194,7 +194,7 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
         else:
             quarantine.append(slots)  # a late write may still land there: never reuse, never check
         reason = failure.reason if failure else ""
-        conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems))
+        conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems, False))
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = DecodeWorker(
@@ -221,7 +221,9 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
                     rooms[room] = (slots, tokens, time.perf_counter())
                     worker.start_room(room, slots, engine, timeout_s=timeout_s)
                 except DuplicateRoomError as exc:
-                    conn.send(("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, []))
+                    conn.send(
+                        ("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, [], True)
+                    )
             elif cmd[0] == "stop":
                 for s in quarantine:
                     reset(caches, s)

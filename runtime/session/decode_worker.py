@@ -56,6 +56,7 @@ class DecodeStats:
     engine_notifications: int = 0
     control_notifications: int = 0
     messages_out: int = 0
+    versions: list[str] = field(default_factory=list)  # agreed protocol version per prefill link
     failures: list[str] = field(default_factory=list)
 
 
@@ -104,6 +105,7 @@ class DecodeWorker:
                 )
             engine_id = link.peer.engine_id
             self._links[link.peer] = link
+            self.stats.versions.append(f"{link.peer}={link.version[0]}.{link.version[1]}")
             self.poller.register(link.sock, zmq.POLLIN)
         self._engines[engine_id] = prefill_tp
         return engine_id

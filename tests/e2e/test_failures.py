@@ -1,0 +1,119 @@
+"""Failures across processes: a killed peer, a duplicate room, version skew.
+
+One local-backend cluster for the module; every case uses its own engines so that a killed
+process or a refused peer cannot leak into another case.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from pdwire.runtime.demo_cluster import Cluster
+
+from tests.e2e.conftest import CAP, SPEC
+
+TIMEOUT = 4.0  # room timeout on every rank of this module
+SLOW = {"chunk_delay_s": 0.25}  # one page per chunk, a chunk every 250 ms: rooms last seconds
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(SPEC, CAP, "local", room_timeout_s=TIMEOUT, chunk_pages=1) as c:
+        yield c
+
+
+def _ok(c: Cluster, results: list) -> None:  # type: ignore[type-arg]
+    for r in c.wait_rooms(results, 60):
+        assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
+
+
+@pytest.mark.slow
+def test_decode_killed_mid_transfer_prefill_fails_the_room_and_keeps_serving(cluster: Cluster) -> None:
+    pre = cluster.start("prefill", 1, "kd-pre", **SLOW)
+    victim = cluster.start("decode", 1, "kd-victim")
+    other = cluster.start("decode", 1, "kd-other")
+    assert cluster.connect(victim, pre) == [""] and cluster.connect(other, pre) == [""]
+    doomed = cluster.submit(victim, pre, 1, 48)  # 12 chunks, ~3 s
+    alive = cluster.submit(other, pre, 2, 48)
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    cluster.kill(victim, 0)
+    _ok(cluster, [alive])  # the other decode engine's room is unaffected
+    cluster._pump(lambda: 1 in cluster.prefill_done.get(("kd-pre", 0), {}), TIMEOUT + 10, "prefill release")
+    status, reason = cluster.prefill_done[("kd-pre", 0)][1]
+    assert status == "FAILED" and reason.split(":")[0] in ("engine_error", "timeout", "peer_gone"), reason
+    assert time.monotonic() - killed_at < TIMEOUT + 3
+    assert not doomed.ok
+    _ok(cluster, [cluster.submit(other, pre, 3, 20)])  # prefill keeps serving
+    fresh = cluster.start("decode", 1, "kd-fresh")  # and accepts a new decode engine
+    assert cluster.connect(fresh, pre) == [""]
+    _ok(cluster, [cluster.submit(fresh, pre, 4, 20)])
+    for g in (pre, other, fresh):
+        for rank, (_stats, problems) in cluster.stop(g).items():
+            assert problems == [], (g.engine_id, rank, problems)
+
+
+@pytest.mark.slow
+def test_prefill_killed_mid_transfer_decode_fails_within_timeout_and_keeps_serving(cluster: Cluster) -> None:
+    doomed_pre = cluster.start("prefill", 1, "kp-doomed", **SLOW)
+    spare_pre = cluster.start("prefill", 1, "kp-spare")
+    dec = cluster.start("decode", 1, "kp-dec")
+    assert cluster.connect(dec, doomed_pre) == [""] and cluster.connect(dec, spare_pre) == [""]
+    doomed = cluster.submit(dec, doomed_pre, 10, 48)
+    time.sleep(1.0)
+    cluster.kill(doomed_pre, 0)
+    t0 = time.monotonic()
+    (r,) = cluster.wait_rooms([doomed], TIMEOUT + 10)
+    assert r.statuses == {0: "FAILED"} and r.reasons[0].startswith("timeout:"), r.reasons
+    assert "sender 0" in r.reasons[0]  # the reason names what never arrived
+    assert time.monotonic() - t0 <= TIMEOUT + 1.0
+    _ok(cluster, [cluster.submit(dec, spare_pre, 11, 30)])  # the decode rank keeps serving
+    stats, problems = cluster.stop(dec)[0]
+    assert problems == [] and stats["rooms_failed"] == 1 and stats["rooms_ok"] == 1
+
+
+@pytest.mark.slow
+def test_duplicate_room_gets_a_typed_error_and_leaves_other_rooms_alone(cluster: Cluster) -> None:
+    pre = cluster.start("prefill", 1, "dup-pre", **SLOW)
+    a = cluster.start("decode", 1, "dup-a")
+    b = cluster.start("decode", 1, "dup-b")
+    assert cluster.connect(a, pre) == [""] and cluster.connect(b, pre) == [""]
+    first = cluster.submit(a, pre, 20, 24)
+    bystander = cluster.submit(a, pre, 21, 12)
+    time.sleep(0.3)
+    same_engine = cluster.submit(a, pre, 20, 24, prefill_too=False)  # refused by decode itself
+    other_engine = cluster.submit(b, pre, 20, 24, prefill_too=False)  # refused by the prefill rank
+    cluster.wait_rooms([same_engine, other_engine], 30)
+    assert same_engine.statuses == {0: "FAILED"} and same_engine.reasons[0].startswith("duplicate_room:")
+    assert other_engine.statuses == {0: "FAILED"} and other_engine.reasons[0].startswith("duplicate_room:")
+    assert "dup-a" in other_engine.reasons[0]  # names the engine that owns the room
+    _ok(cluster, [first, bystander])
+    _ok(cluster, [cluster.submit(b, pre, 22, 12)])
+
+
+@pytest.mark.slow
+def test_older_compatible_version_still_works(cluster: Cluster) -> None:
+    spec10 = replace(SPEC, mamba_layers=0)  # one state component: what the flat 1.0 state carries
+    pre = cluster.start("prefill", 2, "v10-pre", spec=spec10)
+    old = cluster.start("decode", 1, "v10-old", spec=spec10, versions=((1, 0),))
+    assert cluster.connect(old, pre) == [""]
+    _ok(cluster, [cluster.submit(old, pre, 30, 21), cluster.submit(old, pre, 31, 9)])
+    stats, problems = cluster.stop(old)[0]
+    assert problems == [] and stats["versions"] == ["v10-pre/0=1.0", "v10-pre/1=1.0"]
+
+
+@pytest.mark.slow
+def test_incompatible_major_and_other_model_are_refused_at_the_handshake(cluster: Cluster) -> None:
+    pre = cluster.start("prefill", 1, "skew-pre")
+    future = cluster.start("decode", 1, "skew-future", versions=((2, 0),))
+    (err,) = cluster.connect(future, pre)
+    assert err.startswith("HandshakeError") and "2.0" in err and "1.1" in err, err
+    other_model = cluster.start("decode", 1, "skew-model", spec=replace(SPEC, page_size=8))
+    (err,) = cluster.connect(other_model, pre)
+    assert "model differs" in err, err
+    ok = cluster.start("decode", 1, "skew-ok")  # the refused peers left the prefill rank healthy
+    assert cluster.connect(ok, pre) == [""]
+    _ok(cluster, [cluster.submit(ok, pre, 40, 10)])
