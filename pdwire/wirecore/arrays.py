@@ -74,14 +74,14 @@ def _coerce(value: object, dtype: np.dtype[Any], where: str) -> npt.NDArray[Any]
 
 def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
     """Encode one packed array: inline bytes, or a side-frame index when ``side`` is given and it is large."""
-    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1 and value.flags.c_contiguous:
-        arr: npt.NDArray[Any] = value
+    # fast path: numpy caches the builtin dtypes, so identity usually decides
+    if type(value) is np.ndarray and (value.dtype is dtype or value.dtype == dtype) and value.ndim == 1:
+        arr: npt.NDArray[Any] = value if value.flags.c_contiguous else _coerce(value, dtype, where)
     else:
         arr = _coerce(value, dtype, where)
-    view = arr.data.cast("B")
-    if side is None or len(view) < SIDE_FRAME_MIN_BYTES:
-        return view
-    side.append(view)
+    if side is None or arr.nbytes < SIDE_FRAME_MIN_BYTES:
+        return arr.data  # msgspec writes a buffer's bytes as bin, whatever its item format
+    side.append(arr.data.cast("B"))  # its own frame, never copied; byte-formatted for len()
     return len(side) + 1  # frames 0 and 1 are the header and the body
 
 

@@ -1,0 +1,270 @@
+"""Codec benchmark: pdwire's generated codecs against today's hand-written positional frames.
+
+    .venv/bin/python benchmarks/codec.py [--repeat 7] [--quick]
+
+Messages: RegisterInfo (64 layers, 3 state components) and TransferRequest (2048 KV pages;
+components mamba [1 slot], swa [64 pages], dsa [2048 pages]). The baseline encodes the same
+content the way SGLang writes it today: positional ZMQ frames, ASCII integers, pointer
+lists packed with ``struct.pack``, per-component lists packed with ``struct.pack`` into
+count + lengths + payload and unpacked back to lists. Each cell is the median of
+``--repeat`` timing runs (each the mean over many calls), measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import struct
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pdwire.wire as w
+
+# ---------------------------------------------------------------------------- baseline codec
+
+
+def pack_list_of_buffers(bufs: list[bytes]) -> bytes:
+    if not bufs:
+        return b""
+    return struct.pack(f"<{len(bufs) + 1}I", len(bufs), *(len(b) for b in bufs)) + b"".join(bufs)
+
+
+def pack_int_lists(lists: list[list[int]], fmt: str) -> bytes:
+    return pack_list_of_buffers([struct.pack(f"<{len(a)}{fmt}", *a) for a in lists])
+
+
+def unpack_int_lists(buf: bytes, fmt: str) -> list[list[int]]:
+    if not buf:
+        return []
+    (n,) = struct.unpack_from("<I", buf, 0)
+    lens = struct.unpack_from(f"<{n}I", buf, 4)
+    pos, size, out = 4 + 4 * n, struct.calcsize(fmt), []
+    for ln in lens:
+        out.append(list(struct.unpack_from(f"<{ln // size}{fmt}", buf, pos)))
+        pos += ln
+    return out
+
+
+def native_u64(ptrs: list[int]) -> bytes:
+    return b"".join(struct.pack("Q", p) for p in ptrs)
+
+
+def baseline_request_encode(room: int, kv: np.ndarray, aux: int, state: list[list[int]]) -> list[bytes]:
+    return [
+        str(room).encode("ascii"),
+        b"10.0.0.2",
+        str(17001).encode("ascii"),
+        b"10.0.0.2:17001",
+        kv.astype(np.int32).tobytes(),
+        str(aux).encode("ascii"),
+        pack_int_lists(state, "i"),
+        str(1).encode("ascii"),
+        str(0).encode("ascii"),
+    ]
+
+
+def baseline_request_decode(msg: list[bytes]) -> tuple[Any, ...]:
+    return (
+        int(msg[0].decode("ascii")),
+        msg[1].decode("ascii"),
+        int(msg[2].decode("ascii")),
+        msg[3].decode("ascii"),
+        np.frombuffer(msg[4], dtype=np.int32),
+        int(msg[5].decode("ascii")),
+        unpack_int_lists(msg[6], "i"),
+        int(msg[7].decode("ascii")),
+        int(msg[8].decode("ascii")),
+    )
+
+
+def baseline_register_encode(r: dict[str, Any]) -> list[bytes]:
+    return [
+        b"None",
+        b"10.0.0.2",
+        str(17001).encode("ascii"),
+        b"10.0.0.2:17001",
+        native_u64(r["kv_ptrs"]),
+        native_u64(r["aux_ptrs"]),
+        pack_int_lists(r["state_ptrs"], "Q"),
+        str(3).encode("ascii"),
+        str(8).encode("ascii"),
+        str(r["kv_item_len"]).encode("ascii"),
+        pack_int_lists(r["state_item_lens"], "I"),
+        pack_int_lists(r["state_dims"], "I"),
+        r["agent_metadata"],
+    ]
+
+
+def baseline_register_decode(msg: list[bytes]) -> tuple[Any, ...]:
+    return (
+        msg[1].decode("ascii"),
+        int(msg[2].decode("ascii")),
+        msg[3].decode("ascii"),
+        list(struct.unpack(f"{len(msg[4]) // 8}Q", msg[4])),
+        list(struct.unpack(f"{len(msg[5]) // 8}Q", msg[5])),
+        unpack_int_lists(msg[6], "Q"),
+        int(msg[7].decode("ascii")),
+        int(msg[8].decode("ascii")),
+        int(msg[9].decode("ascii")),
+        unpack_int_lists(msg[10], "I"),
+        unpack_int_lists(msg[11], "I"),
+        msg[12],
+    )
+
+
+# ---------------------------------------------------------------------------- content
+
+LAYERS = 64
+BASE = 0x7F00_0000_0000
+
+
+def register_content() -> tuple[w.RegisterInfo, dict[str, Any]]:
+    u64 = np.uint64
+    k = np.arange(LAYERS, dtype=u64) * u64(1 << 30) + u64(BASE)
+    v = k + u64(1 << 29)
+    comps = [
+        # mamba: conv (x|B|C sub-blocks) and temporal state per layer
+        w.StateComponent(
+            type=w.StateType.MAMBA,
+            base_addrs=np.arange(2 * LAYERS, dtype=u64) * u64(1 << 24) + u64(BASE >> 1),
+            region_lens=np.full(2 * LAYERS, 1 << 24, dtype=u64),
+            bytes_per_slot=np.tile(np.array([24576, 262144], dtype=u64), LAYERS),
+            shard_axis_sizes=np.tile(np.array([6144, 64], dtype=u64), LAYERS),
+            sub_blocks=[np.array([4096, 1024, 1024], dtype=u64), np.zeros(0, dtype=u64)] * LAYERS,
+        ),
+        w.StateComponent(
+            type=w.StateType.SWA,
+            base_addrs=np.arange(2 * LAYERS, dtype=u64) * u64(1 << 26) + u64(BASE >> 2),
+            region_lens=np.full(2 * LAYERS, 1 << 26, dtype=u64),
+            bytes_per_slot=np.full(2 * LAYERS, 8192, dtype=u64),
+            shard_axis_sizes=np.full(2 * LAYERS, 8, dtype=u64),
+        ),
+        w.StateComponent(
+            type=w.StateType.DSA,
+            base_addrs=np.arange(LAYERS, dtype=u64) * u64(1 << 22) + u64(BASE >> 3),
+            region_lens=np.full(LAYERS, 1 << 22, dtype=u64),
+            bytes_per_slot=np.full(LAYERS, 8448, dtype=u64),
+        ),
+    ]
+    meta = bytes(range(256)) * 4
+    msg = w.RegisterInfo(
+        endpoint="10.0.0.2:17001",
+        engine_id="decode-0",
+        agent_name="10.0.0.2:17001",
+        agent_metadata=meta,
+        geometry=w.ParallelGeometry(tp_size=8, tp_rank=3),
+        first_layer=0,
+        num_layers=LAYERS,
+        k_base_addrs=k,
+        v_base_addrs=v,
+        bytes_per_page=np.full(LAYERS, 8192, dtype=u64),
+        region_lens=np.full(LAYERS, 1 << 29, dtype=u64),
+        num_pages=65536,
+        page_size=16,
+        kv_layout=w.KvLayout.HND,
+        kv_heads_per_rank=1,
+        kv_heads_total=8,
+        bytes_per_head=256,
+        is_mla=False,
+        aux_base_addrs=np.array([BASE >> 4], dtype=u64),
+        aux_lens=np.array([1 << 20], dtype=u64),
+        aux_item_lens=np.array([64], dtype=u64),
+        state_components=comps,
+    )
+    raw = {
+        "kv_ptrs": [int(x) for x in k] + [int(x) for x in v],
+        "aux_ptrs": [BASE >> 4],
+        "state_ptrs": [[int(x) for x in c.base_addrs] for c in comps],
+        "kv_item_len": 8192,
+        "state_item_lens": [[int(x) for x in c.bytes_per_slot] for c in comps],
+        "state_dims": [[int(x) for x in c.shard_axis_sizes] for c in comps],
+        "agent_metadata": meta,
+    }
+    return msg, raw
+
+
+def request_content() -> tuple[w.TransferRequest, tuple[Any, ...]]:
+    rng = np.random.default_rng(0)
+    kv = rng.permutation(1 << 16)[:2048].astype(np.int32)
+    mamba = np.array([17], dtype=np.int32)
+    swa = kv[-64:].copy()
+    dsa = rng.permutation(1 << 16)[:2048].astype(np.int32)
+    msg = w.TransferRequest(
+        room=(1 << 63) + 12345,
+        sender="10.0.0.2:17001",
+        dst_kv_indices=kv,
+        dst_aux_index=5,
+        state_indices=[mamba, swa, dsa],
+    )
+    lists = [mamba.tolist(), swa.tolist(), dsa.tolist()]
+    return msg, ((1 << 63) + 12345, kv, 5, lists)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def per_call_us(fn: Callable[[], object], repeat: int, quick: bool) -> float:
+    number = 1
+    while True:  # calibrate to ~20 ms per run (~2 ms with --quick)
+        t = timeit.timeit(fn, number=number)
+        if t > (0.002 if quick else 0.02):
+            break
+        number *= 2
+    runs = timeit.repeat(fn, number=number, repeat=repeat)
+    return statistics.median(runs) / number * 1e6
+
+
+def _bind(dec: Callable[[list[bytes]], object], received: list[bytes]) -> Callable[[], object]:
+    return lambda: dec(received)
+
+
+def frames_bytes(frames: list[Any]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
+    args = ap.parse_args(argv)
+
+    load = os.getloadavg()[0]
+    reg, reg_raw = register_content()
+    req, req_raw = request_content()
+
+    cases: list[tuple[str, Callable[[], list[Any]], Callable[[list[bytes]], object], str]] = [
+        ("RegisterInfo", lambda: w.encode(reg), w.decode, "pdwire"),
+        ("RegisterInfo", lambda: baseline_register_encode(reg_raw), baseline_register_decode, "baseline"),
+        ("TransferRequest", lambda: w.encode(req), w.decode, "pdwire"),
+        ("TransferRequest", lambda: baseline_request_encode(*req_raw), baseline_request_decode, "baseline"),
+    ]
+    results: dict[tuple[str, str], tuple[float, float, int, int]] = {}
+    for name, enc, dec, codec in cases:
+        received = frames_bytes(enc())  # what a ZMQ receiver holds
+        e = per_call_us(enc, args.repeat, args.quick)
+        d = per_call_us(_bind(dec, received), args.repeat, args.quick)
+        results[(name, codec)] = (e, d, sum(len(f) for f in received), len(received))
+
+    assert w.decode(frames_bytes(w.encode(req))) == req and w.decode(frames_bytes(w.encode(reg))) == reg
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"msgspec {msgspec.__version__}, numpy {np.__version__}; median of {args.repeat} runs; "
+        f"load average at start {load:.1f}"
+    )
+    print()
+    print("| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, codec), (e, d, nbytes, nframes) in results.items():
+        base = results[(name, "baseline")]
+        speed = (base[0] + base[1]) / (e + d)
+        print(f"| {name} | {codec} | {e:.2f} | {d:.2f} | {e + d:.2f} | {speed:.1f}x | {nbytes} | {nframes} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
