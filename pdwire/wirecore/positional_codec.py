@@ -37,6 +37,12 @@ class MessageSpec:
     check: Callable[[Any], Problems]
     derived: tuple[str, ...] = ()
 
+    def fits(self, frames: Sequence[Buf]) -> bool:
+        """Fixed frames and frame count fit (predicates not checked)."""
+        if not self.min_frames <= len(frames) <= self.max_frames:
+            return False
+        return all(i < len(frames) and frames[i] == lit for i, lit in self.consts)
+
     def matches(self, frames: Sequence[Buf]) -> bool:
         for i, lit in self.consts:
             if i >= len(frames) or frames[i] != lit:
@@ -114,6 +120,12 @@ class ProfileCodec:
         hits = [s for s in specs if s.matches(bufs)]
         if len(hits) == 1:
             return hits[0]
+        if not hits and backend is not None:
+            # told the backend: a malformed predicate frame (a room that is not a decimal) is
+            # reported by the one message whose fixed frames and frame count fit, naming the frame
+            fits = [s for s in specs if s.fits(bufs)]
+            if len(fits) == 1:
+                return fits[0]
         head = ", ".join(repr(bytes(b[:16])) for b in bufs[:3]) or "no frames"
         if not hits:
             raise UnrecognisedMessage(
