@@ -45,7 +45,8 @@ class RoomResult:
     submitted: float
     statuses: dict[int, str] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
-    latencies: dict[int, float] = field(default_factory=dict)
+    latencies: dict[int, float] = field(default_factory=dict)  # decode rank -> request sent .. done
+    started: dict[int, float] = field(default_factory=dict)  # decode rank -> perf_counter at request
     problems: list[str] = field(default_factory=list)
     finished: float = 0.0
 
@@ -89,6 +90,8 @@ class Cluster:
         self.groups: list[Group] = []
         self.results: dict[tuple[str, int], RoomResult] = {}  # (decode engine, room)
         self.duplicates: dict[tuple[str, int], RoomResult] = {}  # refused repeated submissions
+        # (prefill engine, rank) -> room -> (first post, last completion), perf_counter seconds
+        self.spans: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
         self.prefill_done: dict[tuple[str, int], dict[int, tuple[str, str]]] = {}
 
     # ------------------------------------------------------------------ processes
@@ -172,6 +175,12 @@ class Cluster:
                     c.send(("prefill", room, tokens))
         return res
 
+    def prefill(self, prefill: Group, room: int, tokens: int) -> None:
+        """Run chunked prefill for ``room`` ahead of any request (its chunks wait in the room)."""
+        for r, c in enumerate(prefill.conns):
+            if prefill.procs[r].is_alive():
+                c.send(("prefill", room, tokens))
+
     def wait_rooms(self, rooms: list[RoomResult], timeout_s: float, progress: Any = None) -> list[RoomResult]:
         def done() -> bool:
             if progress is not None:
@@ -186,18 +195,20 @@ class Cluster:
     def _on(self, g: Group, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "room_done":
-            _, rank, room, status, reason, latency, problems, duplicate = msg
+            _, rank, room, status, reason, latency, problems, duplicate, started = msg
             key = (g.engine_id, room)
             res = (self.duplicates if duplicate else self.results).get(key)
             if res is None:
                 return
             res.statuses[rank], res.reasons[rank], res.latencies[rank] = status, reason, latency
+            res.started[rank] = started
             res.problems += [f"decode rank {rank}: {p}" for p in problems]
             if res.done:
                 res.finished = time.perf_counter()
         elif kind == "prefill_done":
-            _, rank, room, status, reason = msg
+            _, rank, room, status, reason, span = msg
             self.prefill_done.setdefault((g.engine_id, rank), {})[room] = (status, reason)
+            self.spans.setdefault((g.engine_id, rank), {})[room] = (span[0], span[1])
         elif kind == "final":
             _, _, rank, stats, problems = msg
             g.finals[rank] = (stats, problems)

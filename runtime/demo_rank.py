@@ -137,7 +137,8 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
         s = held.pop(room, None)
         if s is not None:
             pool.give(s)
-        conn.send(("prefill_done", cfg.rank, room, status.name, failure.reason if failure else ""))
+        span = worker.spans.pop(room, [0.0, 0.0])
+        conn.send(("prefill_done", cfg.rank, room, status.name, failure.reason if failure else "", span))
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = PrefillWorker(
@@ -194,7 +195,7 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
         else:
             quarantine.append(slots)  # a late write may still land there: never reuse, never check
         reason = failure.reason if failure else ""
-        conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems, False))
+        conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems, False, t0))
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = DecodeWorker(
@@ -222,7 +223,7 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
                     worker.start_room(room, slots, engine, timeout_s=timeout_s)
                 except DuplicateRoomError as exc:
                     conn.send(
-                        ("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, [], True)
+                        ("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, [], True, 0.0)
                     )
             elif cmd[0] == "stop":
                 for s in quarantine:

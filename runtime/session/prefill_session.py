@@ -133,5 +133,9 @@ class PrefillSession:
                 actions += self._settle(r.on_tick(now))
         return actions
 
+    def room_of(self, xfer_id: int) -> int | None:
+        """The room an in-flight transfer belongs to."""
+        return self._xfer_room.get(xfer_id)
+
     def next_deadline(self) -> float | None:
         return min((r.deadline for r in self.rooms.values()), default=None)

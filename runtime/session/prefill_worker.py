@@ -102,6 +102,9 @@ class PrefillWorker:
         self._state_plans: dict[tuple[int, PeerRef], tuple[PlanGroup, ...]] = {}
         self._handles: dict[int, TransferHandle] = {}
         self._done_now: list[int] = []  # parts completed without an engine write
+        # room -> [first post, last completion] (perf_counter): the data-movement span, for
+        # separating control-plane time from transfer time in benchmarks
+        self.spans: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ engine side
 
@@ -142,6 +145,9 @@ class PrefillWorker:
                 continue
             del self._handles[x]
             self.backend.release(h)
+            room = self.session.room_of(x)
+            if room is not None and room in self.spans:
+                self.spans[room][1] = time.perf_counter()
             if st.state is TransferState.DONE:
                 self._run(self.session.on_xfer_done(x))
             else:
@@ -313,6 +319,8 @@ class PrefillWorker:
             )
             return
         table: DescriptorTable = group.table
+        now = time.perf_counter()
+        self.spans.setdefault(a.room, [now, now])
         if len(table) == 0:
             self._send(conn, note)  # nothing to write: the completion rides on the control socket
             self.stats.control_notifications += 1

@@ -1,0 +1,222 @@
+"""Per-request control-plane overhead over real sockets and processes.
+
+    .venv/bin/python benchmarks/control_plane.py [--backends nixl,local] [--rounds 3]
+
+One prefill rank and one decode rank (separate processes, TP 1 -> 1) of a tiny hybrid model
+(one page of KV per request plus Mamba, SWA and aux: a few KiB), so that the data moved is
+small and the time is dominated by the protocol. Prefill runs its chunks first, so each
+measured request starts with a room that only waits for its TransferRequest.
+
+Per request (decode's clock; prefill and decode share CLOCK_MONOTONIC on one host):
+
+* latency: TransferRequest sent -> room Success on decode (every kv/state/aux completion counted);
+* data:    prefill's first post -> last transfer completion for that room (engine time);
+* overhead = latency - data: control messages, planning, posting, notification delivery.
+
+At 64 concurrent requests the amortised figure is (batch wall - union of data spans) / 64,
+where batch wall runs from the first TransferRequest to the last Success.
+
+Baselines measured in the same run: a raw pyzmq DEALER/ROUTER round trip between two
+processes carrying the same encoded TransferRequest and TransferStatus frames (the floor of
+any socket protocol here), and the in-process encode+decode time of those messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+
+def _echo(conn: Connection) -> None:
+    """ROUTER that answers every TransferRequest with a TransferStatus (the raw-socket baseline)."""
+    import zmq
+
+    from pdwire import wire
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(port)
+    reply = wire.encode(wire.TransferStatus(room=1, status=wire.Status.SUCCESS, sender_rank=0))
+    while True:
+        frames = sock.recv_multipart()
+        if frames[1] == b"stop":
+            break
+        wire.decode(frames[1:])
+        sock.send_multipart([frames[0], *reply])
+    sock.close(0)
+    ctx.term()
+
+
+def _request() -> Any:
+    from pdwire import wire
+
+    return wire.TransferRequest(
+        room=1, sender="decode:bench/0", dst_kv_indices=np.arange(1, dtype=np.int32), dst_aux_index=0,
+        state_indices=[np.asarray([1], np.int32), np.asarray([2], np.int32)],
+    )  # fmt: skip
+
+
+def zmq_baseline(n: int = 2000) -> float:
+    """Median round trip (us) of an encoded TransferRequest -> TransferStatus between two processes."""
+    import zmq
+
+    from pdwire import wire
+
+    ctx_mp = mp.get_context("spawn")
+    parent, child = ctx_mp.Pipe()
+    proc = ctx_mp.Process(target=_echo, args=(child,), daemon=True)
+    proc.start()
+    port = parent.recv()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    req = _request()
+    times = []
+    for i in range(n + 200):
+        t = time.perf_counter()
+        sock.send_multipart(wire.encode(req))
+        wire.decode(sock.recv_multipart())
+        if i >= 200:  # warm-up
+            times.append(time.perf_counter() - t)
+    sock.send(b"stop")
+    proc.join(10)
+    sock.close(0)
+    ctx.term()
+    return statistics.median(times) * 1e6
+
+
+def codec_baseline(n: int = 20000) -> float:
+    """Median per-request encode+decode time (us) of TransferRequest, TransferStatus and a Notification."""
+    from pdwire import wire
+
+    msgs = [
+        _request(),
+        wire.TransferStatus(room=1, status=wire.Status.SUCCESS, sender_rank=0),
+    ]
+    note = wire.Notification(room=1, kind=wire.NotificationKind.KV, chunk_id=0, is_last=True)
+    samples = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            for m in msgs:
+                wire.decode([bytes(f) for f in wire.encode(m)])
+            wire.decode_bytes(wire.encode_bytes(note))
+        samples.append((time.perf_counter() - t) / n)
+    return statistics.median(samples) * 1e6
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1.0
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def measure(backend: str, rounds: int) -> dict[str, Any]:
+    from pdwire.runtime.demo_cluster import Cluster
+    from pdwire.runtime.demo_model import Capacity, ModelSpec
+
+    spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
+                     ssm_heads=2, ssm_head_dim=4, ssm_state=4, swa_layers=1, swa_window_pages=1)  # fmt: skip
+    cap = Capacity(pages=256, slots=140, swa_pages=256, aux_items=140)
+    out: dict[str, Any] = {"backend": backend}
+    with Cluster(spec, cap, backend, room_timeout_s=60.0, chunk_pages=1) as c:
+        pre = c.start("prefill", 1, "bench-pre")
+        dec = c.start("decode", 1, "bench-dec")
+        assert c.connect(dec, pre) == [""]
+        room = 1
+        for conc in (1, 64):
+            per_req: list[float] = []
+            data: list[float] = []
+            overhead: list[float] = []
+            amortised: list[float] = []
+            for _ in range(rounds):
+                batch = 30 if conc == 1 else conc
+                rooms = list(range(room, room + batch))
+                room += batch
+                for r in rooms:
+                    c.prefill(pre, r, 16)
+                time.sleep(0.5 + 0.01 * batch)  # let prefill fill and buffer its chunks
+                results = []
+                if conc == 1:
+                    for r in rooms:
+                        results += c.wait_rooms([c.submit(dec, pre, r, 16, prefill_too=False)], 60)
+                else:
+                    results = c.wait_rooms([c.submit(dec, pre, r, 16, prefill_too=False) for r in rooms], 120)
+                c._pump(lambda rs=rooms: all(r in c.spans.get(("bench-pre", 0), {}) for r in rs), 30, "spans")
+                spans = c.spans[("bench-pre", 0)]
+                for res in results:
+                    assert res.ok, (res.room, res.reason, res.problems[:2])
+                    lat = res.latencies[0]
+                    a, b = spans[res.room]
+                    per_req.append(lat)
+                    data.append(b - a)
+                    overhead.append(lat - (b - a))
+                if conc > 1:
+                    starts = [r.started[0] for r in results]
+                    ends = [r.started[0] + r.latencies[0] for r in results]
+                    wall = max(ends) - min(starts)
+                    busy = _union([spans[r.room] for r in results])
+                    amortised.append((wall - busy) / len(results))
+            key = f"c{conc}"
+            out[key] = {
+                "requests": len(per_req),
+                "latency_p50_us": statistics.median(per_req) * 1e6,
+                "latency_p99_us": float(np.percentile(per_req, 99)) * 1e6,
+                "data_p50_us": statistics.median(data) * 1e6,
+                "overhead_p50_us": statistics.median(overhead) * 1e6,
+                "amortised_us": statistics.median(amortised) * 1e6 if amortised else None,
+            }
+        c.stop(dec)
+        c.stop(pre)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="nixl,local")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    load = os.getloadavg()[0]
+    py = platform.python_version()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f}, Python {py}")
+    zmq_rtt = zmq_baseline()
+    codec = codec_baseline()
+    rtt = f"p50 {zmq_rtt:.0f} us"
+    print(f"baseline: raw pyzmq round trip (TransferRequest -> TransferStatus, 2 processes) {rtt}")
+    print(f"baseline: encode+decode of TransferRequest + TransferStatus + Notification: {codec:.1f} us")
+    print()
+    cols = "backend | concurrent | requests | latency p50 | latency p99 | data p50 | overhead p50"
+    print(f"| {cols} | amortised/request |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend in args.backends.split(","):
+        r = measure(backend, args.rounds)
+        for conc in (1, 64):
+            m = r[f"c{conc}"]
+            am = f"{m['amortised_us'] / 1e3:.3f} ms" if m["amortised_us"] is not None else "-"
+            print(
+                f"| {backend} | {conc} | {m['requests']} | {m['latency_p50_us'] / 1e3:.3f} ms | "
+                f"{m['latency_p99_us'] / 1e3:.3f} ms | {m['data_p50_us'] / 1e3:.3f} ms | "
+                f"{m['overhead_p50_us'] / 1e3:.3f} ms | {am} |"
+            )
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
