@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
+    ap.add_argument("--sglang", action="store_true", help="also the SGLang profile rows (codec_sglang.py)")
     args = ap.parse_args(argv)
 
     load = os.getloadavg()[0]
@@ -263,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         base = results[(name, "baseline")]
         speed = (base[0] + base[1]) / (e + d)
         print(f"| {name} | {codec} | {e:.2f} | {d:.2f} | {e + d:.2f} | {speed:.1f}x | {nbytes} | {nframes} |")
+    # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
+    if args.sglang:
+        from codec_sglang import run as sglang_rows  # benchmarks/ is on sys.path when run as a script
+
+        print("\n".join(sglang_rows(args.repeat, args.quick)))
     return 0
 
 
