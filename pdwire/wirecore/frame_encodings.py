@@ -272,13 +272,22 @@ def _as_array(v: object, dtype: np.dtype[Any], w: Where) -> npt.NDArray[Any]:
             raise w.encode_error(f"expected a 1-D integer array, got {v.dtype} with shape {v.shape}")
         arr: npt.NDArray[Any] = v
     elif isinstance(v, list | tuple):
-        for x in v:
-            if isinstance(x, bool) or not isinstance(x, int | np.integer):
-                raise w.encode_error(f"expected integers, got {type(x).__name__}")
         try:
-            arr = np.asarray(v, dtype=np.int64 if all(int(x) < 2**63 for x in v) else np.uint64)
-        except OverflowError:
-            raise w.encode_error(f"a value does not fit {dtype.name}") from None
+            arr = np.asarray(v)
+        except (OverflowError, ValueError):
+            arr = np.asarray(v, dtype=object)
+        if arr.size and arr.dtype.kind not in "iu":
+            # not plain integers, or integers numpy promotes to float/object (values at or above
+            # 2**63 next to small ones, values past 64 bits): check item by item
+            for x in v:
+                if isinstance(x, bool) or not isinstance(x, int | np.integer):
+                    raise w.encode_error(f"expected integers, got {type(x).__name__}")
+            lo, hi = min(int(x) for x in v), max(int(x) for x in v)
+            if lo < 0 or hi > 2**64 - 1:
+                raise w.encode_error(f"{lo if lo < 0 else hi} does not fit {dtype.name}")
+            arr = np.asarray([int(x) for x in v], dtype=np.uint64)
+        if arr.ndim != 1:
+            raise w.encode_error("expected a flat list of integers")
     else:
         raise w.encode_error(f"expected an integer array or list, got {type(v).__name__}")
     if arr.size:
@@ -399,6 +408,8 @@ def as_buffers(frames: Sequence[object], profile: str, backend: str | None) -> l
         raise ProfileDecodeError(
             "expected a sequence of frames, got one buffer", profile=profile, backend=backend
         )
+    if all(type(f) is bytes for f in frames):  # the common case (zmq copy=True), checked cheaply
+        return list(frames)  # type: ignore[arg-type]
     out: list[Buf] = []
     for i, f in enumerate(frames):
         if isinstance(f, bytes | bytearray | memoryview):

@@ -84,6 +84,12 @@ class ProfileCodec:
         self._by_class: dict[type[Any], MessageSpec] = {
             s.cls: s for specs in self.versions.values() for s in specs
         }
+        # recognition shortcut: specs by the literal of their frame 0 (None: no fixed frame 0)
+        self._by_head: dict[tuple[Version, bytes | None], list[MessageSpec]] = {}
+        for v, specs in self.versions.items():
+            for s in specs:
+                head = dict(s.consts).get(0)
+                self._by_head.setdefault((v, head), []).append(s)
 
     def specs(self, version: Version | None = None) -> Sequence[MessageSpec]:
         v = self.newest if version is None else version
@@ -102,7 +108,19 @@ class ProfileCodec:
         message: str | None = None,
     ) -> MessageSpec:
         """The message these frames are, or :class:`UnrecognisedMessage` saying why none fits."""
-        bufs = as_buffers(frames, self.profile, backend)
+        return self._recognise(as_buffers(frames, self.profile, backend), backend, version, message)
+
+    def _recognise(
+        self, bufs: list[Buf], backend: str | None, version: Version | None, message: str | None
+    ) -> MessageSpec:
+        v = self.newest if version is None else version
+        if message is None and bufs and v in self.versions:
+            # fast path: the candidates sharing this frame 0, plus those without a fixed frame 0
+            head = bytes(bufs[0][:32])
+            cands = self._by_head.get((v, head), []) + self._by_head.get((v, None), [])
+            hits = [s for s in cands if (backend is None or s.backend == backend) and s.matches(bufs)]
+            if len(hits) == 1:
+                return hits[0]
         specs = [s for s in self.specs(version) if backend is None or s.backend == backend]
         if backend is not None and not specs:
             backends = sorted({s.backend for s in self.specs(version)})
@@ -126,10 +144,10 @@ class ProfileCodec:
             fits = [s for s in specs if s.fits(bufs)]
             if len(fits) == 1:
                 return fits[0]
-        head = ", ".join(repr(bytes(b[:16])) for b in bufs[:3]) or "no frames"
+        start = ", ".join(repr(bytes(b[:16])) for b in bufs[:3]) or "no frames"
         if not hits:
             raise UnrecognisedMessage(
-                f"no message matches {len(bufs)} frames starting {head}",
+                f"no message matches {len(bufs)} frames starting {start}",
                 profile=self.profile,
                 backend=backend,
             )
@@ -147,8 +165,8 @@ class ProfileCodec:
         version: Version | None = None,
         message: str | None = None,
     ) -> Any:
-        spec = self.recognise(frames, backend, version, message)
-        return spec.decode(as_buffers(frames, self.profile, spec.backend))
+        bufs = as_buffers(frames, self.profile, backend)
+        return self._recognise(bufs, backend, version, message).decode(bufs)
 
     def encode(self, msg: object) -> list[bytes]:
         spec = self._by_class.get(type(msg))
