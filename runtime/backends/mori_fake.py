@@ -194,7 +194,9 @@ class IOEngine:
         with self._lock:
             m = self._maps.get(path)
             if m is None:
-                m = self._maps[path] = shm.Mapping(path, off + desc.size, create=False)
+                # The whole file: several descriptors (one per region) share one mapping, and
+                # the first one seen need not be the one reaching furthest into it.
+                m = self._maps[path] = shm.Mapping(path, os.stat(path).st_size, create=False)
         if m.nbytes < off + desc.size:
             raise ValueError(f"{path} is smaller than the descriptor claims")
         return m.address + int(off)

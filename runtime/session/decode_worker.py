@@ -26,7 +26,7 @@ from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbo
 from pdwire.runtime.session.decode_room import PartKind, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
-from pdwire.runtime.session.handshake import Identity, check_hello, register_info
+from pdwire.runtime.session.handshake import Identity, check_descriptors, check_hello, register_info
 from pdwire.runtime.session.prefill_worker import REGISTER_ROOM
 from pdwire.runtime.session.status import RoomStatus
 
@@ -128,14 +128,23 @@ class DecodeWorker:
                 raise HandshakeError(f"{endpoint} answered a Hello with {type(theirs).__name__}")
             version = check_hello(self.hello, theirs)
             md = self.backend.local_metadata()
+            check_descriptors(version, self.backend.name, bool(md.region_descs), theirs.engine_id)
             info = register_info(
                 self.caches.memory,
                 endpoint=self.endpoint,
                 engine_id=self.identity.engine_id,
                 agent_name=md.agent_name,
                 agent_metadata=md.agent_metadata,
+                region_descs=md.region_descs,
             )
-            sock.send_multipart(wire.encode(info, version))
+            try:
+                frames = wire.encode(info, version)
+            except wire.WireError as exc:  # e.g. DowngradeError: this memory does not fit an older version
+                raise HandshakeError(
+                    f"RegisterInfo cannot be sent to {theirs.engine_id!r} at version "
+                    f"{version[0]}.{version[1]}: {exc}"
+                ) from exc
+            sock.send_multipart(frames)
             ack = self._recv(sock, deadline, "registration answer", endpoint)
             if not (isinstance(ack, wire.TransferStatus) and int(ack.room) == REGISTER_ROOM):
                 raise HandshakeError(f"{endpoint} answered RegisterInfo with {type(ack).__name__}")

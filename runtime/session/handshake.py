@@ -8,10 +8,20 @@ included: KV of different weights must never mix), and TP sizes that divide one 
 The wire's ``RegisterInfo.state_components[i]`` lists one entry per (tensor, layer), tensor
 major; the prefill side splits them back using its own component structure (same kinds,
 same tensor count), refusing any count that does not split evenly.
+
+Engines that address memory by descriptor (MoRI) publish one opaque blob per registered
+region (``PeerMetadata.region_descs``, in the planner's region order). RegisterInfo carries
+them split like the memory itself: each state component's blobs in its ``mem_descs``
+(tensor major, per layer, like its ``base_addrs``); every other region's blob in
+``kv_mem_descs``: KV K layers, KV V layers, then the aux buffers (the schema has no aux
+descriptor list). :func:`join_region_descs` rebuilds the region-ordered tuple on the
+prefill side. Version 1.0 cannot carry component descriptors, so a descriptor-addressed
+backend refuses a 1.0 peer at the handshake (:func:`check_descriptors`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +37,7 @@ from pdwire.runtime.planner import (
     StateComponent,
     StateKind,
     StateTensor,
+    region_index,
 )
 from pdwire.runtime.session.failures import HandshakeError
 
@@ -96,6 +107,24 @@ def check_hello(local: wire.Hello, remote: wire.Hello) -> tuple[int, int]:
     return version
 
 
+DESCRIPTORS_SINCE = (1, 1)  # first version whose StateComponent carries mem_descs
+
+
+def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:
+    """Refuse a version that cannot carry this backend's memory descriptors, before any request.
+
+    Run by both sides after :func:`check_hello` (both run the same backend: the metadata
+    envelope enforces it), so both refuse with the same cause.
+    """
+    if by_descriptor and version < DESCRIPTORS_SINCE:
+        have, need = f"{version[0]}.{version[1]}", f"{DESCRIPTORS_SINCE[0]}.{DESCRIPTORS_SINCE[1]}"
+        raise HandshakeError(
+            f"backend {backend!r} addresses memory by descriptor, and RegisterInfo {have} (agreed with "
+            f"{peer!r}) cannot carry them (StateComponent.mem_descs exists since {need}); "
+            f"both peers must speak {need} or newer"
+        )
+
+
 # --------------------------------------------------------------------------- RegisterInfo
 
 
@@ -103,16 +132,67 @@ def _u64(values: list[int] | tuple[int, ...]) -> np.ndarray:
     return np.asarray(values, dtype=np.uint64)
 
 
+def _split_region_descs(memory: RankMemory, descs: Sequence[bytes]) -> tuple[list[bytes], list[list[bytes]]]:
+    """Region-ordered descriptor blobs -> (kv_mem_descs, one mem_descs list per component)."""
+    if not descs:
+        return [], [[] for _ in memory.state]
+    idx = region_index(memory)
+    total = len(idx.kv_k) + len(idx.kv_v) + sum(len(t) for c in idx.state for t in c) + len(idx.aux)
+    if len(descs) != total:
+        raise HandshakeError(f"the backend published {len(descs)} memory descriptors for {total} regions")
+    blobs = [bytes(d) for d in descs]
+    kv = [blobs[i] for i in (*idx.kv_k, *idx.kv_v, *idx.aux)]
+    comps = [[blobs[i] for t in c for i in t] for c in idx.state]
+    return kv, comps
+
+
+def join_region_descs(info: wire.RegisterInfo) -> tuple[bytes, ...]:
+    """The peer's descriptor blobs in its region order (what the backend's add_peer expects).
+
+    Empty when the peer sent none (engines that address memory by address). Raises
+    :class:`HandshakeError` naming the field whose count does not match its regions.
+    """
+    comps = info.state_components
+    if not info.kv_mem_descs and not any(c.mem_descs for c in comps):
+        return ()
+    nk, nv, na = len(info.k_base_addrs), len(info.v_base_addrs), len(info.aux_base_addrs)
+    if len(info.kv_mem_descs) != nk + nv + na:
+        raise HandshakeError(
+            f"RegisterInfo.kv_mem_descs: {len(info.kv_mem_descs)} descriptors for {nk} K, {nv} V "
+            f"and {na} aux regions"
+        )
+    for ci, c in enumerate(comps):
+        if len(c.mem_descs) != len(c.base_addrs):
+            raise HandshakeError(
+                f"RegisterInfo.state_components[{ci}].mem_descs: {len(c.mem_descs)} descriptors "
+                f"for {len(c.base_addrs)} regions"
+            )
+    kv = [bytes(d) for d in info.kv_mem_descs]
+    state = [bytes(d) for c in comps for d in c.mem_descs]
+    return (*kv[: nk + nv], *state, *kv[nk + nv :])
+
+
 def register_info(
-    memory: RankMemory, *, endpoint: str, engine_id: str, agent_name: str, agent_metadata: bytes
+    memory: RankMemory,
+    *,
+    endpoint: str,
+    engine_id: str,
+    agent_name: str,
+    agent_metadata: bytes,
+    region_descs: Sequence[bytes] = (),
 ) -> wire.RegisterInfo:
-    """The decode rank's registration, from the same description its planner uses."""
+    """The decode rank's registration, from the same description its planner uses.
+
+    ``region_descs`` are the backend's per-region memory descriptors in region order
+    (``PeerMetadata.region_descs``); empty for engines that address memory by address.
+    """
     kv = memory.kv
     if kv is None:
         raise HandshakeError("a decode rank without a KV pool cannot register")
     pos = memory.position
+    kv_descs, comp_descs = _split_region_descs(memory, region_descs)
     comps = []
-    for c in memory.state:
+    for c, descs in zip(memory.state, comp_descs, strict=True):
         bases: list[int] = []
         lens: list[int] = []
         per_slot: list[int] = []
@@ -139,6 +219,7 @@ def register_info(
                 bytes_per_slot=_u64(per_slot),
                 shard_axis_sizes=_u64(shard),
                 sub_blocks=blocks if any(len(b) for b in blocks) else [],
+                mem_descs=descs,
             )
         )
     aux = memory.aux
@@ -166,6 +247,7 @@ def register_info(
         aux_base_addrs=_u64([a.base_addr for a in aux]),
         aux_lens=_u64([a.region_len for a in aux]),
         aux_item_lens=_u64([a.bytes_per_item for a in aux]),
+        kv_mem_descs=kv_descs,
         state_components=comps,
     )
 

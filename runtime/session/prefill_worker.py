@@ -37,7 +37,13 @@ from pdwire.runtime.session.actions import (
     StatePart,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
-from pdwire.runtime.session.handshake import Identity, check_hello, remote_memory
+from pdwire.runtime.session.handshake import (
+    Identity,
+    check_descriptors,
+    check_hello,
+    join_region_descs,
+    remote_memory,
+)
 from pdwire.runtime.session.prefill_room import Target
 from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import RoomStatus
@@ -140,6 +146,8 @@ class PrefillWorker:
 
     def _service(self) -> None:
         for x, h in list(self._handles.items()):
+            if self._handles.get(x) is not h:
+                continue  # released meanwhile: an earlier completion in this loop ended its room
             st = self.backend.poll(h)
             if st.state is TransferState.PENDING:
                 continue
@@ -196,6 +204,8 @@ class PrefillWorker:
         conn.hello = hello
         try:
             conn.version = check_hello(self.hello, hello)
+            by_descriptor = bool(self.backend.local_metadata().region_descs)
+            check_descriptors(conn.version, self.backend.name, by_descriptor, hello.engine_id)
             conn.peer = PeerRef(hello.engine_id, int(hello.geometry.tp_rank))
         except HandshakeError as exc:
             conn.refused = str(exc)
@@ -218,7 +228,8 @@ class PrefillWorker:
             old = self._by_peer.get(conn.peer)
             if old is not None and old is not conn:  # a restarted decode rank: forget the old one
                 self._run(self.session.on_peer_lost(conn.peer))
-            backend_peer = self.backend.add_peer(PeerMetadata(info.agent_name, bytes(info.agent_metadata)))
+            md = PeerMetadata(info.agent_name, bytes(info.agent_metadata), join_region_descs(info))
+            backend_peer = self.backend.add_peer(md)
         except (HandshakeError, PlanError, BackendError) as exc:
             refuse(Failure(FailureKind.HANDSHAKE, f"{type(exc).__name__}: {exc}").reason)
             return
