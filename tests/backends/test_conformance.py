@@ -1,7 +1,7 @@
 """One conformance suite for every transfer backend.
 
-Each test runs once per backend in ``BACKENDS``; a new backend joins by appearing there
-(and in the registry). Cross-process cases use a real target process
+Each test runs once per backend in ``BACKENDS``, the registry's list: a new backend joins
+by being registered. Cross-process cases use a real target process
 (:mod:`tests.backends.target`). Engines that cannot import make their tests FAIL, not
 skip: CI installs every engine. Select one engine with ``-m 'engine("nixl")'`` or
 ``-k nixl``.
@@ -37,9 +37,10 @@ from pdwire.runtime.backends import (
     create_backend,
     shm,
 )
+from pdwire.runtime.backends.registry import known_backends
 from pdwire.runtime.descriptors import DescriptorTable
 
-BACKENDS = ["local", "nixl", "mooncake", "mori-fake"]
+BACKENDS = known_backends()
 SHM_BACKENDS = {"local", "mori-fake"}  # backends whose memory lives in /dev/shm
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
