@@ -1,7 +1,8 @@
 """Failures across processes: a killed peer, a duplicate room, version skew.
 
 One local-backend cluster for the module; every case uses its own engines so that a killed
-process or a refused peer cannot leak into another case.
+process or a refused peer cannot leak into another case. The killed-peer cases also run
+over Mooncake (ranks of another backend start from the same cluster, with ``backend=``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ def _ok(c: Cluster, results: list) -> None:  # type: ignore[type-arg]
         assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
 
 
+KILL_BACKENDS = ["local", "mooncake"]
+
+
 @pytest.mark.slow
-def test_decode_killed_mid_transfer_prefill_fails_the_room_and_keeps_serving(cluster: Cluster) -> None:
-    pre = cluster.start("prefill", 1, "kd-pre", **SLOW)
-    victim = cluster.start("decode", 1, "kd-victim")
-    other = cluster.start("decode", 1, "kd-other")
+@pytest.mark.parametrize("backend", KILL_BACKENDS)
+def test_decode_killed_mid_transfer_prefill_fails_the_room_and_keeps_serving(
+    cluster: Cluster, backend: str
+) -> None:
+    pre = cluster.start("prefill", 1, f"kd-pre-{backend}", backend=backend, **SLOW)
+    victim = cluster.start("decode", 1, f"kd-victim-{backend}", backend=backend)
+    other = cluster.start("decode", 1, f"kd-other-{backend}", backend=backend)
     assert cluster.connect(victim, pre) == [""] and cluster.connect(other, pre) == [""]
     doomed = cluster.submit(victim, pre, 1, 48)  # 12 chunks, ~3 s
     alive = cluster.submit(other, pre, 2, 48)
@@ -42,13 +49,14 @@ def test_decode_killed_mid_transfer_prefill_fails_the_room_and_keeps_serving(clu
     killed_at = time.monotonic()
     cluster.kill(victim, 0)
     _ok(cluster, [alive])  # the other decode engine's room is unaffected
-    cluster._pump(lambda: 1 in cluster.prefill_done.get(("kd-pre", 0), {}), TIMEOUT + 10, "prefill release")
-    status, reason = cluster.prefill_done[("kd-pre", 0)][1]
+    done = cluster.prefill_done
+    cluster._pump(lambda: 1 in done.get((pre.engine_id, 0), {}), TIMEOUT + 10, "prefill release")
+    status, reason = done[(pre.engine_id, 0)][1]
     assert status == "FAILED" and reason.split(":")[0] in ("engine_error", "timeout", "peer_gone"), reason
     assert time.monotonic() - killed_at < TIMEOUT + 3
     assert not doomed.ok
     _ok(cluster, [cluster.submit(other, pre, 3, 20)])  # prefill keeps serving
-    fresh = cluster.start("decode", 1, "kd-fresh")  # and accepts a new decode engine
+    fresh = cluster.start("decode", 1, f"kd-fresh-{backend}", backend=backend)  # and a new decode engine
     assert cluster.connect(fresh, pre) == [""]
     _ok(cluster, [cluster.submit(fresh, pre, 4, 20)])
     for g in (pre, other, fresh):
@@ -57,10 +65,13 @@ def test_decode_killed_mid_transfer_prefill_fails_the_room_and_keeps_serving(clu
 
 
 @pytest.mark.slow
-def test_prefill_killed_mid_transfer_decode_fails_within_timeout_and_keeps_serving(cluster: Cluster) -> None:
-    doomed_pre = cluster.start("prefill", 1, "kp-doomed", **SLOW)
-    spare_pre = cluster.start("prefill", 1, "kp-spare")
-    dec = cluster.start("decode", 1, "kp-dec")
+@pytest.mark.parametrize("backend", KILL_BACKENDS)
+def test_prefill_killed_mid_transfer_decode_fails_within_timeout_and_keeps_serving(
+    cluster: Cluster, backend: str
+) -> None:
+    doomed_pre = cluster.start("prefill", 1, f"kp-doomed-{backend}", backend=backend, **SLOW)
+    spare_pre = cluster.start("prefill", 1, f"kp-spare-{backend}", backend=backend)
+    dec = cluster.start("decode", 1, f"kp-dec-{backend}", backend=backend)
     assert cluster.connect(dec, doomed_pre) == [""] and cluster.connect(dec, spare_pre) == [""]
     doomed = cluster.submit(dec, doomed_pre, 10, 48)
     time.sleep(1.0)
@@ -117,3 +128,21 @@ def test_incompatible_major_and_other_model_are_refused_at_the_handshake(cluster
     ok = cluster.start("decode", 1, "skew-ok")  # the refused peers left the prefill rank healthy
     assert cluster.connect(ok, pre) == [""]
     _ok(cluster, [cluster.submit(ok, pre, 40, 10)])
+
+
+@pytest.mark.slow
+def test_descriptor_backend_refuses_a_1_0_peer_at_the_handshake(cluster: Cluster) -> None:
+    # A one-component model: 1.0 carries it over the local backend (test above), so the
+    # refusal here is about MoRI's memory descriptors, which only 1.1's RegisterInfo carries.
+    spec10 = replace(SPEC, mamba_layers=0)
+    mori = {"backend": "mori-fake", "spec": spec10}
+    pre = cluster.start("prefill", 1, "mori10-pre", **mori)
+    old = cluster.start("decode", 1, "mori10-old", versions=((1, 0),), **mori)
+    (err,) = cluster.connect(old, pre)
+    assert err.startswith("HandshakeError") and "addresses memory by descriptor" in err, err
+    assert "1.0" in err and "mem_descs" in err, err
+    new = cluster.start("decode", 1, "mori10-new", **mori)  # the prefill rank still serves 1.1 peers
+    assert cluster.connect(new, pre) == [""]
+    _ok(cluster, [cluster.submit(new, pre, 50, 21)])
+    stats, problems = cluster.stop(new)[0]
+    assert problems == [] and stats["versions"] == ["mori10-pre/0=1.1"]
