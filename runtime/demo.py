@@ -32,8 +32,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--prefill-tp", type=int, default=2)
     p.add_argument("--decode-tp", type=int, default=4)
+    from pdwire.runtime.backends.registry import known_backends
+
     p.add_argument(
-        "--backend", default=None, help="nixl | local | mooncake | ... (default: nixl when it imports)"
+        "--backend",
+        default=None,
+        choices=known_backends(),
+        help="transfer engine (default: nixl when it imports, else local)",
     )
     p.add_argument("--requests", type=int, default=24, help="number of concurrent requests")
     p.add_argument("--min-tokens", type=int, default=32)

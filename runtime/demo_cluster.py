@@ -78,6 +78,9 @@ class Cluster:
     ) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        # Mooncake logs every connection at INFO; its level is read when mooncake.engine is
+        # imported, which happens in the ranks, after this.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         # One forkserver imports torch (and the engine) once; every rank forks from it, instead of
         # each spawned rank paying the multi-second torch import on a small machine.
         self._ctx = mp.get_context("forkserver")
