@@ -1,0 +1,106 @@
+"""Prefill and decode workers in one process over real sockets, with an injected engine failure.
+
+One transfer of a room fails while the room's other transfers are still pending: the room
+must fail once, with the engine's reason on the decode side, and the prefill worker must not
+touch the handles that failing the room released (it used to poll one and crash).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
+from pdwire.runtime.backends.local import LocalBackend
+from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors, pages_for
+from pdwire.runtime.demo_model import Capacity, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.demo_rank import model_fingerprint
+from pdwire.runtime.session.decode_worker import DecodeWorker
+from pdwire.runtime.session.failures import Failure
+from pdwire.runtime.session.handshake import Identity
+from pdwire.runtime.session.prefill_worker import PrefillWorker
+from pdwire.runtime.session.status import RoomStatus
+
+from pdwire import wire
+from tests.e2e.conftest import SPEC
+
+CAP = Capacity(pages=16, slots=3, swa_pages=8, aux_items=2)
+
+
+class FirstTransferFails(LocalBackend):
+    """The first posted transfer fails at its first poll; every other one stays pending."""
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        return failed("injected engine failure") if handle.id == 1 else PENDING
+
+
+def caches(backend: LocalBackend) -> RankCaches:
+    buf = backend.allocate("caches", bytes_needed(SPEC, 1, 0, CAP))
+    c = build_caches(SPEC, 1, 0, CAP, buf.array)
+    backend.register(c.regions())
+    return c
+
+
+def slots(tokens: int) -> RoomSlots:
+    pages, swa = pages_for(SPEC, tokens)
+    return RoomSlots(np.arange(pages, dtype=np.int32), 1, np.arange(swa, dtype=np.int32), 0)
+
+
+def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    pb, db = FirstTransferFails(agent_name="pre"), LocalBackend(agent_name="dec")
+    model = model_fingerprint(SPEC)
+    finished: list[tuple[int, RoomStatus, Failure | None]] = []
+    pc, dc = caches(pb), caches(db)
+    pre = PrefillWorker(Identity(wire.Role.PREFILL, "pre", 1, 0, model), pc, pb, ctx, room_timeout_s=10)
+    dec = DecodeWorker(
+        Identity(wire.Role.DECODE, "dec", 1, 0, model),
+        dc,
+        db,
+        ctx,
+        room_timeout_s=10,
+        on_finished=lambda *a: finished.append(a),
+    )
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            pre.step(5)
+
+    serving = threading.Thread(target=serve)
+    try:
+        serving.start()  # the prefill rank answers the handshake while connect() blocks
+        engine = dec.connect([pre.endpoint], timeout_s=10)
+        stop.set()
+        serving.join()
+        tokens = 40  # 10 pages: one KV chunk, two state components and aux, all posted at once
+        src = slots(tokens)
+        fill(pc, src, full_tensors(SPEC, 1, 7, tokens))
+        dec.start_room(7, slots(tokens), engine)
+        deadline = time.monotonic() + 10
+        while 7 not in pre.session.rooms or not pre._requests:
+            assert time.monotonic() < deadline, "the TransferRequest never arrived"
+            pre.step(5)
+        pre.chunk_ready(7, src, 0, len(src.pages), True)
+        assert len(pre._handles) == 4  # KV, Mamba, SWA, aux: in flight together
+        while not finished:
+            assert time.monotonic() < deadline, "the room never finished on the decode side"
+            pre.step(5)
+            dec.step(5)
+        ((room, status, failure),) = finished
+        assert room == 7 and status is RoomStatus.FAILED and failure is not None
+        assert "injected engine failure" in failure.detail, failure
+        assert pre.stats.rooms_failed == 1 and pre.stats.rooms_ok == 0
+        assert pre._handles == {} and pb._handles == {}  # every handle of the room released
+    finally:
+        stop.set()
+        if serving.is_alive():
+            serving.join()
+        pre.close()
+        dec.close()
+        pb.close()
+        db.close()
+        ctx.term()
