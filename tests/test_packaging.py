@@ -68,3 +68,15 @@ def test_unknown_command_is_refused() -> None:
     )
     assert result.returncode != 0
     assert "invalid choice" in result.stderr
+
+
+def test_top_level_help_lists_every_command_without_importing_any() -> None:
+    code = (
+        "import sys; from pdwire.cli import COMMANDS, build_parser; "
+        "text = build_parser().format_help(); "
+        "missing = [c for c in COMMANDS if c not in text]; "
+        "loaded = [m for m, _ in COMMANDS.values() if m in sys.modules]; "
+        "print(missing, loaded, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[] [] False"
