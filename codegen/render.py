@@ -130,15 +130,37 @@ def needs_conv(t: TypeRef) -> bool:
     return any(x.kind in ("array", "message") for x in t.walk())
 
 
-def enc_expr(t: TypeRef, var: str, where: str, depth: int = 0) -> str:
+def _bind(var: str, tmp: str) -> tuple[str, str]:
+    """``(first use, later uses)`` of ``var``: an attribute read once through a walrus temporary."""
+    if var.isidentifier():
+        return var, var
+    return f"{tmp} := {var}", tmp  # only ever a call argument: type(x := m.f)
+
+
+def enc_expr(t: TypeRef, var: str, where: str, tag: str = "", depth: int = 0) -> str:
     if t.kind == "array":
-        return f"_pack({var}, _a.{_DT[t.name]}, side, {where!r})"
+        # Inline fast path for a 1-D C-contiguous ndarray of exactly the wire dtype (its
+        # memoryview answers shape, contiguity and size); anything else goes through _pack,
+        # which coerces or raises EncodeError naming the field.
+        dt = f"_{_DT[t.name]}"
+        first, x = _bind(var, f"x{tag}")
+        b = f"b{tag}"
+        return (
+            f"(({b} if side is None or {b}.nbytes < _SIDE_MIN else _attach(side, {b}))"
+            f" if type({first}) is _nd and {x}.dtype is {dt}"
+            f" and ({b} := {x}.data).ndim == 1 and {b}.c_contiguous"
+            f" else _pack({x}, {dt}, side, {where!r}))"
+        )
     if t.kind == "message":
         return f"_enc_{t.name}({var}, side)"
     if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
         e = f"e{depth}"
         inner = enc_expr(
-            t.elem, e if t.kind == "list" else var, where + ("[]" if t.kind == "list" else ""), depth + 1
+            t.elem,
+            e if t.kind == "list" else var,
+            where + ("[]" if t.kind == "list" else ""),
+            f"{tag}_{depth}",
+            depth + 1,
         )
         if t.kind == "list":
             return f"[{inner} for {e} in {var}]"
@@ -147,8 +169,9 @@ def enc_expr(t: TypeRef, var: str, where: str, depth: int = 0) -> str:
 
 
 def dec_expr(t: TypeRef, var: str, where: str, depth: int = 0) -> str:
+    """The checked decoder: every array through the cursor, raising errors that name the field."""
     if t.kind == "array":
-        return f"c.array({var}, _a.{_DT[t.name]}, {ARRAY_DTYPES[t.name][1]}, {where!r})"
+        return f"_view({var}, _{_DT[t.name]}, {ARRAY_DTYPES[t.name][1]}, c, {where!r})"
     if t.kind == "message":
         return f"_dec_{t.name}({var}, c)"
     if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
@@ -156,6 +179,32 @@ def dec_expr(t: TypeRef, var: str, where: str, depth: int = 0) -> str:
         inner = dec_expr(
             t.elem, e if t.kind == "list" else var, where + ("[]" if t.kind == "list" else ""), depth + 1
         )
+        if t.kind == "list":
+            return f"[{inner} for {e} in {var}]"
+        return f"(None if {var} is None else {inner})"
+    return var
+
+
+def fast_dec_expr(t: TypeRef, var: str, tag: str = "", depth: int = 0) -> str:
+    """The fast decoder: no per-array checks of its own.
+
+    Inline bytes become ``np.frombuffer`` views (which refuse a length that is not a whole
+    number of items); a side-frame index must be the next one of the counter ``k`` (so the
+    references are exactly 2, 3, ... in order) and ``f[index]`` must exist. Anything else
+    raises, and the caller then takes the checked decoder for the classified error.
+    """
+    if t.kind == "array":
+        dt = f"_{_DT[t.name]}"
+        first, x = _bind(var, f"x{tag}")
+        return (
+            f"(_fb({x}, {dt}) if type({first}) is bytes"
+            f" else _fb(f[{x}], {dt}) if {x} == _next(k) else _bail())"
+        )
+    if t.kind == "message":
+        return f"_fdec_{t.name}({var}, f, k)"
+    if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
+        e = f"e{depth}"
+        inner = fast_dec_expr(t.elem, e if t.kind == "list" else var, f"{tag}_{depth}", depth + 1)
         if t.kind == "list":
             return f"[{inner} for {e} in {var}]"
         return f"(None if {var} is None else {inner})"
@@ -197,6 +246,7 @@ class FieldView:
     wire_default: str | None
     enc: str
     dec: str
+    fdec: str
     doc: str
     strategy: str
     type_spell: str
@@ -292,8 +342,9 @@ def version_view(p: Protocol, idx: int) -> VersionView:
                 py_default=py_default(p, f),
                 wire_type=wire_type(f.type),
                 wire_default=wire_default(p, f),
-                enc=enc_expr(f.type, f"m.{f.name}", f"{m.name}.{f.name}"),
+                enc=enc_expr(f.type, f"m.{f.name}", f"{m.name}.{f.name}", str(f.id)),
                 dec=dec_expr(f.type, f"w.{f.name}", f.name),
+                fdec=fast_dec_expr(f.type, f"w.{f.name}", str(f.id)),
                 doc=f.doc,
                 strategy=strategy_expr(p, f.type, mod),
                 type_spell=f.type.spell(),

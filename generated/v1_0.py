@@ -28,7 +28,18 @@ from pdwire.wirecore.errors import EncodeError as _EncodeError
 
 VERSION = (1, 0)
 PROTOCOL_ID = 1
+# module-level aliases: generated codecs call these per array, without attribute lookups
 _pack = _a.pack
+_attach = _a.attach
+_view = _a.view
+_bail = _a.bail
+_next = next
+_nd = np.ndarray
+_fb = np.frombuffer
+_SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
+_I32 = _a.I32
+_U32 = _a.U32
+_U64 = _a.U64
 
 
 class Role(enum.IntEnum):
@@ -90,9 +101,10 @@ class Version(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_Version(msgspec.Struct, array_like=True, kw_only=True):
+class _W_Version(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     major: _t.U16
     minor: _t.U16
 
@@ -105,6 +117,13 @@ def _enc_Version(m: Version, side: _a.SideFrames | None) -> list[Any]:
 
 
 def _dec_Version(w: _W_Version, c: _a.Cursor) -> Version:
+    return Version(
+        major=w.major,
+        minor=w.minor,
+    )
+
+
+def _fdec_Version(w: _W_Version, f: _a.Frames, k: _a.SideCounter) -> Version:
     return Version(
         major=w.major,
         minor=w.minor,
@@ -137,9 +156,10 @@ class ParallelGeometry(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_ParallelGeometry(msgspec.Struct, array_like=True, kw_only=True):
+class _W_ParallelGeometry(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     tp_size: _t.U32 = 1
     tp_rank: _t.U32 = 0
     pp_size: _t.U32 = 1
@@ -164,6 +184,19 @@ def _enc_ParallelGeometry(m: ParallelGeometry, side: _a.SideFrames | None) -> li
 
 
 def _dec_ParallelGeometry(w: _W_ParallelGeometry, c: _a.Cursor) -> ParallelGeometry:
+    return ParallelGeometry(
+        tp_size=w.tp_size,
+        tp_rank=w.tp_rank,
+        pp_size=w.pp_size,
+        pp_rank=w.pp_rank,
+        cp_size=w.cp_size,
+        cp_rank=w.cp_rank,
+        dp_size=w.dp_size,
+        dp_rank=w.dp_rank,
+    )
+
+
+def _fdec_ParallelGeometry(w: _W_ParallelGeometry, f: _a.Frames, k: _a.SideCounter) -> ParallelGeometry:
     return ParallelGeometry(
         tp_size=w.tp_size,
         tp_rank=w.tp_rank,
@@ -201,9 +234,10 @@ class ModelFingerprint(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_ModelFingerprint(msgspec.Struct, array_like=True, kw_only=True):
+class _W_ModelFingerprint(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     model_name: str
     revision: str
     dtype: str
@@ -224,6 +258,17 @@ def _enc_ModelFingerprint(m: ModelFingerprint, side: _a.SideFrames | None) -> li
 
 
 def _dec_ModelFingerprint(w: _W_ModelFingerprint, c: _a.Cursor) -> ModelFingerprint:
+    return ModelFingerprint(
+        model_name=w.model_name,
+        revision=w.revision,
+        dtype=w.dtype,
+        num_layers=w.num_layers,
+        num_attention_layers=w.num_attention_layers,
+        num_state_layers=w.num_state_layers,
+    )
+
+
+def _fdec_ModelFingerprint(w: _W_ModelFingerprint, f: _a.Frames, k: _a.SideCounter) -> ModelFingerprint:
     return ModelFingerprint(
         model_name=w.model_name,
         revision=w.revision,
@@ -264,9 +309,10 @@ class Hello(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_Hello(msgspec.Struct, array_like=True, kw_only=True):
+class _W_Hello(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     protocol: str
     versions: list[_W_Version]
     role: Role
@@ -296,6 +342,18 @@ def _dec_Hello(w: _W_Hello, c: _a.Cursor) -> Hello:
         engine_id=w.engine_id,
         geometry=_dec_ParallelGeometry(w.geometry, c),
         model=_dec_ModelFingerprint(w.model, c),
+        capabilities=w.capabilities,
+    )
+
+
+def _fdec_Hello(w: _W_Hello, f: _a.Frames, k: _a.SideCounter) -> Hello:
+    return Hello(
+        protocol=w.protocol,
+        versions=[_fdec_Version(e0, f, k) for e0 in w.versions],
+        role=w.role,
+        engine_id=w.engine_id,
+        geometry=_fdec_ParallelGeometry(w.geometry, f, k),
+        model=_fdec_ModelFingerprint(w.model, f, k),
         capabilities=w.capabilities,
     )
 
@@ -379,9 +437,10 @@ class RegisterInfo(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_RegisterInfo(msgspec.Struct, array_like=True, kw_only=True):
+class _W_RegisterInfo(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     endpoint: str
     engine_id: str
     agent_name: str
@@ -420,10 +479,10 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         _enc_ParallelGeometry(m.geometry, side),
         m.first_layer,
         m.num_layers,
-        _pack(m.k_base_addrs, _a.U64, side, 'RegisterInfo.k_base_addrs'),
-        _pack(m.v_base_addrs, _a.U64, side, 'RegisterInfo.v_base_addrs'),
-        _pack(m.bytes_per_page, _a.U64, side, 'RegisterInfo.bytes_per_page'),
-        _pack(m.region_lens, _a.U64, side, 'RegisterInfo.region_lens'),
+        ((b7 if side is None or b7.nbytes < _SIDE_MIN else _attach(side, b7)) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and (b7 := x7.data).ndim == 1 and b7.c_contiguous else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
+        ((b8 if side is None or b8.nbytes < _SIDE_MIN else _attach(side, b8)) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and (b8 := x8.data).ndim == 1 and b8.c_contiguous else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
+        ((b9 if side is None or b9.nbytes < _SIDE_MIN else _attach(side, b9)) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and (b9 := x9.data).ndim == 1 and b9.c_contiguous else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
+        ((b10 if side is None or b10.nbytes < _SIDE_MIN else _attach(side, b10)) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and (b10 := x10.data).ndim == 1 and b10.c_contiguous else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
         m.num_pages,
         m.page_size,
         m.kv_layout,
@@ -431,15 +490,15 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         m.kv_heads_total,
         m.bytes_per_head,
         m.is_mla,
-        _pack(m.aux_base_addrs, _a.U64, side, 'RegisterInfo.aux_base_addrs'),
-        _pack(m.aux_lens, _a.U64, side, 'RegisterInfo.aux_lens'),
-        _pack(m.aux_item_lens, _a.U64, side, 'RegisterInfo.aux_item_lens'),
+        ((b18 if side is None or b18.nbytes < _SIDE_MIN else _attach(side, b18)) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and (b18 := x18.data).ndim == 1 and b18.c_contiguous else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
+        ((b19 if side is None or b19.nbytes < _SIDE_MIN else _attach(side, b19)) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and (b19 := x19.data).ndim == 1 and b19.c_contiguous else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
+        ((b20 if side is None or b20.nbytes < _SIDE_MIN else _attach(side, b20)) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and (b20 := x20.data).ndim == 1 and b20.c_contiguous else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
         m.kv_mem_descs,
         m.flat_state_type,
-        _pack(m.flat_state_base_addrs, _a.U64, side, 'RegisterInfo.flat_state_base_addrs'),
-        _pack(m.flat_state_region_lens, _a.U64, side, 'RegisterInfo.flat_state_region_lens'),
-        _pack(m.flat_state_bytes_per_slot, _a.U64, side, 'RegisterInfo.flat_state_bytes_per_slot'),
-        _pack(m.flat_state_shard_axis_sizes, _a.U64, side, 'RegisterInfo.flat_state_shard_axis_sizes'),
+        ((b23 if side is None or b23.nbytes < _SIDE_MIN else _attach(side, b23)) if type(x23 := m.flat_state_base_addrs) is _nd and x23.dtype is _U64 and (b23 := x23.data).ndim == 1 and b23.c_contiguous else _pack(x23, _U64, side, 'RegisterInfo.flat_state_base_addrs')),
+        ((b24 if side is None or b24.nbytes < _SIDE_MIN else _attach(side, b24)) if type(x24 := m.flat_state_region_lens) is _nd and x24.dtype is _U64 and (b24 := x24.data).ndim == 1 and b24.c_contiguous else _pack(x24, _U64, side, 'RegisterInfo.flat_state_region_lens')),
+        ((b25 if side is None or b25.nbytes < _SIDE_MIN else _attach(side, b25)) if type(x25 := m.flat_state_bytes_per_slot) is _nd and x25.dtype is _U64 and (b25 := x25.data).ndim == 1 and b25.c_contiguous else _pack(x25, _U64, side, 'RegisterInfo.flat_state_bytes_per_slot')),
+        ((b26 if side is None or b26.nbytes < _SIDE_MIN else _attach(side, b26)) if type(x26 := m.flat_state_shard_axis_sizes) is _nd and x26.dtype is _U64 and (b26 := x26.data).ndim == 1 and b26.c_contiguous else _pack(x26, _U64, side, 'RegisterInfo.flat_state_shard_axis_sizes')),
     ]
 
 
@@ -452,10 +511,10 @@ def _dec_RegisterInfo(w: _W_RegisterInfo, c: _a.Cursor) -> RegisterInfo:
         geometry=_dec_ParallelGeometry(w.geometry, c),
         first_layer=w.first_layer,
         num_layers=w.num_layers,
-        k_base_addrs=c.array(w.k_base_addrs, _a.U64, 8, 'k_base_addrs'),
-        v_base_addrs=c.array(w.v_base_addrs, _a.U64, 8, 'v_base_addrs'),
-        bytes_per_page=c.array(w.bytes_per_page, _a.U64, 8, 'bytes_per_page'),
-        region_lens=c.array(w.region_lens, _a.U64, 8, 'region_lens'),
+        k_base_addrs=_view(w.k_base_addrs, _U64, 8, c, 'k_base_addrs'),
+        v_base_addrs=_view(w.v_base_addrs, _U64, 8, c, 'v_base_addrs'),
+        bytes_per_page=_view(w.bytes_per_page, _U64, 8, c, 'bytes_per_page'),
+        region_lens=_view(w.region_lens, _U64, 8, c, 'region_lens'),
         num_pages=w.num_pages,
         page_size=w.page_size,
         kv_layout=w.kv_layout,
@@ -463,15 +522,47 @@ def _dec_RegisterInfo(w: _W_RegisterInfo, c: _a.Cursor) -> RegisterInfo:
         kv_heads_total=w.kv_heads_total,
         bytes_per_head=w.bytes_per_head,
         is_mla=w.is_mla,
-        aux_base_addrs=c.array(w.aux_base_addrs, _a.U64, 8, 'aux_base_addrs'),
-        aux_lens=c.array(w.aux_lens, _a.U64, 8, 'aux_lens'),
-        aux_item_lens=c.array(w.aux_item_lens, _a.U64, 8, 'aux_item_lens'),
+        aux_base_addrs=_view(w.aux_base_addrs, _U64, 8, c, 'aux_base_addrs'),
+        aux_lens=_view(w.aux_lens, _U64, 8, c, 'aux_lens'),
+        aux_item_lens=_view(w.aux_item_lens, _U64, 8, c, 'aux_item_lens'),
         kv_mem_descs=w.kv_mem_descs,
         flat_state_type=w.flat_state_type,
-        flat_state_base_addrs=c.array(w.flat_state_base_addrs, _a.U64, 8, 'flat_state_base_addrs'),
-        flat_state_region_lens=c.array(w.flat_state_region_lens, _a.U64, 8, 'flat_state_region_lens'),
-        flat_state_bytes_per_slot=c.array(w.flat_state_bytes_per_slot, _a.U64, 8, 'flat_state_bytes_per_slot'),
-        flat_state_shard_axis_sizes=c.array(w.flat_state_shard_axis_sizes, _a.U64, 8, 'flat_state_shard_axis_sizes'),
+        flat_state_base_addrs=_view(w.flat_state_base_addrs, _U64, 8, c, 'flat_state_base_addrs'),
+        flat_state_region_lens=_view(w.flat_state_region_lens, _U64, 8, c, 'flat_state_region_lens'),
+        flat_state_bytes_per_slot=_view(w.flat_state_bytes_per_slot, _U64, 8, c, 'flat_state_bytes_per_slot'),
+        flat_state_shard_axis_sizes=_view(w.flat_state_shard_axis_sizes, _U64, 8, c, 'flat_state_shard_axis_sizes'),
+    )
+
+
+def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> RegisterInfo:
+    return RegisterInfo(
+        endpoint=w.endpoint,
+        engine_id=w.engine_id,
+        agent_name=w.agent_name,
+        agent_metadata=w.agent_metadata,
+        geometry=_fdec_ParallelGeometry(w.geometry, f, k),
+        first_layer=w.first_layer,
+        num_layers=w.num_layers,
+        k_base_addrs=(_fb(x7, _U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
+        v_base_addrs=(_fb(x8, _U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
+        bytes_per_page=(_fb(x9, _U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
+        region_lens=(_fb(x10, _U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
+        num_pages=w.num_pages,
+        page_size=w.page_size,
+        kv_layout=w.kv_layout,
+        kv_heads_per_rank=w.kv_heads_per_rank,
+        kv_heads_total=w.kv_heads_total,
+        bytes_per_head=w.bytes_per_head,
+        is_mla=w.is_mla,
+        aux_base_addrs=(_fb(x18, _U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
+        aux_lens=(_fb(x19, _U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
+        aux_item_lens=(_fb(x20, _U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
+        kv_mem_descs=w.kv_mem_descs,
+        flat_state_type=w.flat_state_type,
+        flat_state_base_addrs=(_fb(x23, _U64) if type(x23 := w.flat_state_base_addrs) is bytes else _fb(f[x23], _U64) if x23 == _next(k) else _bail()),
+        flat_state_region_lens=(_fb(x24, _U64) if type(x24 := w.flat_state_region_lens) is bytes else _fb(f[x24], _U64) if x24 == _next(k) else _bail()),
+        flat_state_bytes_per_slot=(_fb(x25, _U64) if type(x25 := w.flat_state_bytes_per_slot) is bytes else _fb(f[x25], _U64) if x25 == _next(k) else _bail()),
+        flat_state_shard_axis_sizes=(_fb(x26, _U64) if type(x26 := w.flat_state_shard_axis_sizes) is bytes else _fb(f[x26], _U64) if x26 == _next(k) else _bail()),
     )
 
 
@@ -504,9 +595,10 @@ class TransferRequest(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_TransferRequest(msgspec.Struct, array_like=True, kw_only=True):
+class _W_TransferRequest(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     sender: str
     dst_kv_indices: _t.ArrayRef
@@ -521,9 +613,9 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
     return [
         m.room,
         m.sender,
-        _pack(m.dst_kv_indices, _a.I32, side, 'TransferRequest.dst_kv_indices'),
+        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
         m.dst_aux_index,
-        _pack(m.flat_state_indices, _a.I32, side, 'TransferRequest.flat_state_indices'),
+        ((b4 if side is None or b4.nbytes < _SIDE_MIN else _attach(side, b4)) if type(x4 := m.flat_state_indices) is _nd and x4.dtype is _I32 and (b4 := x4.data).ndim == 1 and b4.c_contiguous else _pack(x4, _I32, side, 'TransferRequest.flat_state_indices')),
         m.required_dst_info_num,
         m.decode_prefix_len,
         m.is_dummy,
@@ -534,9 +626,22 @@ def _dec_TransferRequest(w: _W_TransferRequest, c: _a.Cursor) -> TransferRequest
     return TransferRequest(
         room=w.room,
         sender=w.sender,
-        dst_kv_indices=c.array(w.dst_kv_indices, _a.I32, 4, 'dst_kv_indices'),
+        dst_kv_indices=_view(w.dst_kv_indices, _I32, 4, c, 'dst_kv_indices'),
         dst_aux_index=w.dst_aux_index,
-        flat_state_indices=c.array(w.flat_state_indices, _a.I32, 4, 'flat_state_indices'),
+        flat_state_indices=_view(w.flat_state_indices, _I32, 4, c, 'flat_state_indices'),
+        required_dst_info_num=w.required_dst_info_num,
+        decode_prefix_len=w.decode_prefix_len,
+        is_dummy=w.is_dummy,
+    )
+
+
+def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter) -> TransferRequest:
+    return TransferRequest(
+        room=w.room,
+        sender=w.sender,
+        dst_kv_indices=(_fb(x2, _I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
+        dst_aux_index=w.dst_aux_index,
+        flat_state_indices=(_fb(x4, _I32) if type(x4 := w.flat_state_indices) is bytes else _fb(f[x4], _I32) if x4 == _next(k) else _bail()),
         required_dst_info_num=w.required_dst_info_num,
         decode_prefix_len=w.decode_prefix_len,
         is_dummy=w.is_dummy,
@@ -563,9 +668,10 @@ class TransferStatus(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_TransferStatus(msgspec.Struct, array_like=True, kw_only=True):
+class _W_TransferStatus(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     status: Status
     sender_rank: _t.U32
@@ -582,6 +688,15 @@ def _enc_TransferStatus(m: TransferStatus, side: _a.SideFrames | None) -> list[A
 
 
 def _dec_TransferStatus(w: _W_TransferStatus, c: _a.Cursor) -> TransferStatus:
+    return TransferStatus(
+        room=w.room,
+        status=w.status,
+        sender_rank=w.sender_rank,
+        reason=w.reason,
+    )
+
+
+def _fdec_TransferStatus(w: _W_TransferStatus, f: _a.Frames, k: _a.SideCounter) -> TransferStatus:
     return TransferStatus(
         room=w.room,
         status=w.status,
@@ -615,9 +730,10 @@ class Notification(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_Notification(msgspec.Struct, array_like=True, kw_only=True):
+class _W_Notification(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     kind: NotificationKind
     chunk_id: _t.U32 = 0
@@ -651,6 +767,18 @@ def _dec_Notification(w: _W_Notification, c: _a.Cursor) -> Notification:
     )
 
 
+def _fdec_Notification(w: _W_Notification, f: _a.Frames, k: _a.SideCounter) -> Notification:
+    return Notification(
+        room=w.room,
+        kind=w.kind,
+        chunk_id=w.chunk_id,
+        is_last=w.is_last,
+        sender_rank=w.sender_rank,
+        component=w.component,
+        expected_consumers=w.expected_consumers,
+    )
+
+
 class Abort(msgspec.Struct, kw_only=True):
     """Decode -> prefill; abandon a room."""
 
@@ -667,9 +795,10 @@ class Abort(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_Abort(msgspec.Struct, array_like=True, kw_only=True):
+class _W_Abort(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     sender: str
     reason: str = ''
@@ -691,6 +820,14 @@ def _dec_Abort(w: _W_Abort, c: _a.Cursor) -> Abort:
     )
 
 
+def _fdec_Abort(w: _W_Abort, f: _a.Frames, k: _a.SideCounter) -> Abort:
+    return Abort(
+        room=w.room,
+        sender=w.sender,
+        reason=w.reason,
+    )
+
+
 class AbortAck(msgspec.Struct, kw_only=True):
     """Prefill -> decode; the room is released."""
 
@@ -705,9 +842,10 @@ class AbortAck(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_AbortAck(msgspec.Struct, array_like=True, kw_only=True):
+class _W_AbortAck(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     sender_rank: _t.U32 = 0
 
@@ -726,8 +864,15 @@ def _dec_AbortAck(w: _W_AbortAck, c: _a.Cursor) -> AbortAck:
     )
 
 
+def _fdec_AbortAck(w: _W_AbortAck, f: _a.Frames, k: _a.SideCounter) -> AbortAck:
+    return AbortAck(
+        room=w.room,
+        sender_rank=w.sender_rank,
+    )
+
+
 CODECS: dict[int, _env.MessageCodec] = {
-    1: _env.MessageCodec(
+    1: _env.codec(
         name="Hello",
         type_id=1,
         protocol_id=PROTOCOL_ID,
@@ -736,6 +881,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Hello,
         decoder=msgspec.msgpack.Decoder(_W_Hello),
         from_wire=_dec_Hello,
+        fast_from_wire=_fdec_Hello,
         slots=(
             "protocol",
             "versions",
@@ -745,9 +891,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "model",
             "capabilities",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 1),
     ),
-    2: _env.MessageCodec(
+    2: _env.codec(
         name="RegisterInfo",
         type_id=2,
         protocol_id=PROTOCOL_ID,
@@ -756,6 +901,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_RegisterInfo,
         decoder=msgspec.msgpack.Decoder(_W_RegisterInfo),
         from_wire=_dec_RegisterInfo,
+        fast_from_wire=_fdec_RegisterInfo,
         slots=(
             "endpoint",
             "engine_id",
@@ -785,9 +931,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "flat_state_bytes_per_slot",
             "flat_state_shard_axis_sizes",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 2),
     ),
-    3: _env.MessageCodec(
+    3: _env.codec(
         name="TransferRequest",
         type_id=3,
         protocol_id=PROTOCOL_ID,
@@ -796,6 +941,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_TransferRequest,
         decoder=msgspec.msgpack.Decoder(_W_TransferRequest),
         from_wire=_dec_TransferRequest,
+        fast_from_wire=_fdec_TransferRequest,
         slots=(
             "room",
             "sender",
@@ -806,9 +952,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "decode_prefix_len",
             "is_dummy",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 3),
     ),
-    4: _env.MessageCodec(
+    4: _env.codec(
         name="TransferStatus",
         type_id=4,
         protocol_id=PROTOCOL_ID,
@@ -817,15 +962,15 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_TransferStatus,
         decoder=msgspec.msgpack.Decoder(_W_TransferStatus),
         from_wire=_dec_TransferStatus,
+        fast_from_wire=_fdec_TransferStatus,
         slots=(
             "room",
             "status",
             "sender_rank",
             "reason",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 4),
     ),
-    5: _env.MessageCodec(
+    5: _env.codec(
         name="Notification",
         type_id=5,
         protocol_id=PROTOCOL_ID,
@@ -834,6 +979,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Notification,
         decoder=msgspec.msgpack.Decoder(_W_Notification),
         from_wire=_dec_Notification,
+        fast_from_wire=_fdec_Notification,
         slots=(
             "room",
             "kind",
@@ -843,9 +989,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "component",
             "expected_consumers",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 5),
     ),
-    6: _env.MessageCodec(
+    6: _env.codec(
         name="Abort",
         type_id=6,
         protocol_id=PROTOCOL_ID,
@@ -854,14 +999,14 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Abort,
         decoder=msgspec.msgpack.Decoder(_W_Abort),
         from_wire=_dec_Abort,
+        fast_from_wire=_fdec_Abort,
         slots=(
             "room",
             "sender",
             "reason",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 6),
     ),
-    7: _env.MessageCodec(
+    7: _env.codec(
         name="AbortAck",
         type_id=7,
         protocol_id=PROTOCOL_ID,
@@ -870,11 +1015,11 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_AbortAck,
         decoder=msgspec.msgpack.Decoder(_W_AbortAck),
         from_wire=_dec_AbortAck,
+        fast_from_wire=_fdec_AbortAck,
         slots=(
             "room",
             "sender_rank",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 7),
     ),
 }
 """Message codecs of this version by type id."""

@@ -35,7 +35,18 @@ from . import v1_0 as _prev
 
 VERSION = (1, 1)
 PROTOCOL_ID = 1
+# module-level aliases: generated codecs call these per array, without attribute lookups
 _pack = _a.pack
+_attach = _a.attach
+_view = _a.view
+_bail = _a.bail
+_next = next
+_nd = np.ndarray
+_fb = np.frombuffer
+_SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
+_I32 = _a.I32
+_U32 = _a.U32
+_U64 = _a.U64
 
 
 Role = _prev.Role
@@ -57,24 +68,28 @@ Version = _prev.Version
 _W_Version = _prev._W_Version
 _enc_Version = _prev._enc_Version
 _dec_Version = _prev._dec_Version
+_fdec_Version = _prev._fdec_Version
 
 
 ParallelGeometry = _prev.ParallelGeometry
 _W_ParallelGeometry = _prev._W_ParallelGeometry
 _enc_ParallelGeometry = _prev._enc_ParallelGeometry
 _dec_ParallelGeometry = _prev._dec_ParallelGeometry
+_fdec_ParallelGeometry = _prev._fdec_ParallelGeometry
 
 
 ModelFingerprint = _prev.ModelFingerprint
 _W_ModelFingerprint = _prev._W_ModelFingerprint
 _enc_ModelFingerprint = _prev._enc_ModelFingerprint
 _dec_ModelFingerprint = _prev._dec_ModelFingerprint
+_fdec_ModelFingerprint = _prev._fdec_ModelFingerprint
 
 
 Hello = _prev.Hello
 _W_Hello = _prev._W_Hello
 _enc_Hello = _prev._enc_Hello
 _dec_Hello = _prev._dec_Hello
+_fdec_Hello = _prev._fdec_Hello
 
 
 class StateComponent(msgspec.Struct, kw_only=True):
@@ -109,9 +124,10 @@ class StateComponent(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_StateComponent(msgspec.Struct, array_like=True, kw_only=True):
+class _W_StateComponent(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     type: StateType
     base_addrs: _t.ArrayRef
     region_lens: _t.ArrayRef
@@ -124,11 +140,11 @@ class _W_StateComponent(msgspec.Struct, array_like=True, kw_only=True):
 def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[Any]:
     return [
         m.type,
-        _pack(m.base_addrs, _a.U64, side, 'StateComponent.base_addrs'),
-        _pack(m.region_lens, _a.U64, side, 'StateComponent.region_lens'),
-        _pack(m.bytes_per_slot, _a.U64, side, 'StateComponent.bytes_per_slot'),
-        _pack(m.shard_axis_sizes, _a.U64, side, 'StateComponent.shard_axis_sizes'),
-        [_pack(e0, _a.U64, side, 'StateComponent.sub_blocks[]') for e0 in m.sub_blocks],
+        ((b1 if side is None or b1.nbytes < _SIDE_MIN else _attach(side, b1)) if type(x1 := m.base_addrs) is _nd and x1.dtype is _U64 and (b1 := x1.data).ndim == 1 and b1.c_contiguous else _pack(x1, _U64, side, 'StateComponent.base_addrs')),
+        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.region_lens) is _nd and x2.dtype is _U64 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _U64, side, 'StateComponent.region_lens')),
+        ((b3 if side is None or b3.nbytes < _SIDE_MIN else _attach(side, b3)) if type(x3 := m.bytes_per_slot) is _nd and x3.dtype is _U64 and (b3 := x3.data).ndim == 1 and b3.c_contiguous else _pack(x3, _U64, side, 'StateComponent.bytes_per_slot')),
+        ((b4 if side is None or b4.nbytes < _SIDE_MIN else _attach(side, b4)) if type(x4 := m.shard_axis_sizes) is _nd and x4.dtype is _U64 and (b4 := x4.data).ndim == 1 and b4.c_contiguous else _pack(x4, _U64, side, 'StateComponent.shard_axis_sizes')),
+        [((b5_0 if side is None or b5_0.nbytes < _SIDE_MIN else _attach(side, b5_0)) if type(e0) is _nd and e0.dtype is _U64 and (b5_0 := e0.data).ndim == 1 and b5_0.c_contiguous else _pack(e0, _U64, side, 'StateComponent.sub_blocks[]')) for e0 in m.sub_blocks],
         m.mem_descs,
     ]
 
@@ -136,11 +152,23 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
 def _dec_StateComponent(w: _W_StateComponent, c: _a.Cursor) -> StateComponent:
     return StateComponent(
         type=w.type,
-        base_addrs=c.array(w.base_addrs, _a.U64, 8, 'base_addrs'),
-        region_lens=c.array(w.region_lens, _a.U64, 8, 'region_lens'),
-        bytes_per_slot=c.array(w.bytes_per_slot, _a.U64, 8, 'bytes_per_slot'),
-        shard_axis_sizes=c.array(w.shard_axis_sizes, _a.U64, 8, 'shard_axis_sizes'),
-        sub_blocks=[c.array(e0, _a.U64, 8, 'sub_blocks[]') for e0 in w.sub_blocks],
+        base_addrs=_view(w.base_addrs, _U64, 8, c, 'base_addrs'),
+        region_lens=_view(w.region_lens, _U64, 8, c, 'region_lens'),
+        bytes_per_slot=_view(w.bytes_per_slot, _U64, 8, c, 'bytes_per_slot'),
+        shard_axis_sizes=_view(w.shard_axis_sizes, _U64, 8, c, 'shard_axis_sizes'),
+        sub_blocks=[_view(e0, _U64, 8, c, 'sub_blocks[]') for e0 in w.sub_blocks],
+        mem_descs=w.mem_descs,
+    )
+
+
+def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, k: _a.SideCounter) -> StateComponent:
+    return StateComponent(
+        type=w.type,
+        base_addrs=(_fb(x1, _U64) if type(x1 := w.base_addrs) is bytes else _fb(f[x1], _U64) if x1 == _next(k) else _bail()),
+        region_lens=(_fb(x2, _U64) if type(x2 := w.region_lens) is bytes else _fb(f[x2], _U64) if x2 == _next(k) else _bail()),
+        bytes_per_slot=(_fb(x3, _U64) if type(x3 := w.bytes_per_slot) is bytes else _fb(f[x3], _U64) if x3 == _next(k) else _bail()),
+        shard_axis_sizes=(_fb(x4, _U64) if type(x4 := w.shard_axis_sizes) is bytes else _fb(f[x4], _U64) if x4 == _next(k) else _bail()),
+        sub_blocks=[(_fb(e0, _U64) if type(e0) is bytes else _fb(f[e0], _U64) if e0 == _next(k) else _bail()) for e0 in w.sub_blocks],
         mem_descs=w.mem_descs,
     )
 
@@ -216,9 +244,10 @@ class RegisterInfo(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_RegisterInfo(msgspec.Struct, array_like=True, kw_only=True):
+class _W_RegisterInfo(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     endpoint: str
     engine_id: str
     agent_name: str
@@ -263,10 +292,10 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         _enc_ParallelGeometry(m.geometry, side),
         m.first_layer,
         m.num_layers,
-        _pack(m.k_base_addrs, _a.U64, side, 'RegisterInfo.k_base_addrs'),
-        _pack(m.v_base_addrs, _a.U64, side, 'RegisterInfo.v_base_addrs'),
-        _pack(m.bytes_per_page, _a.U64, side, 'RegisterInfo.bytes_per_page'),
-        _pack(m.region_lens, _a.U64, side, 'RegisterInfo.region_lens'),
+        ((b7 if side is None or b7.nbytes < _SIDE_MIN else _attach(side, b7)) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and (b7 := x7.data).ndim == 1 and b7.c_contiguous else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
+        ((b8 if side is None or b8.nbytes < _SIDE_MIN else _attach(side, b8)) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and (b8 := x8.data).ndim == 1 and b8.c_contiguous else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
+        ((b9 if side is None or b9.nbytes < _SIDE_MIN else _attach(side, b9)) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and (b9 := x9.data).ndim == 1 and b9.c_contiguous else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
+        ((b10 if side is None or b10.nbytes < _SIDE_MIN else _attach(side, b10)) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and (b10 := x10.data).ndim == 1 and b10.c_contiguous else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
         m.num_pages,
         m.page_size,
         m.kv_layout,
@@ -274,9 +303,9 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         m.kv_heads_total,
         m.bytes_per_head,
         m.is_mla,
-        _pack(m.aux_base_addrs, _a.U64, side, 'RegisterInfo.aux_base_addrs'),
-        _pack(m.aux_lens, _a.U64, side, 'RegisterInfo.aux_lens'),
-        _pack(m.aux_item_lens, _a.U64, side, 'RegisterInfo.aux_item_lens'),
+        ((b18 if side is None or b18.nbytes < _SIDE_MIN else _attach(side, b18)) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and (b18 := x18.data).ndim == 1 and b18.c_contiguous else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
+        ((b19 if side is None or b19.nbytes < _SIDE_MIN else _attach(side, b19)) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and (b19 := x19.data).ndim == 1 and b19.c_contiguous else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
+        ((b20 if side is None or b20.nbytes < _SIDE_MIN else _attach(side, b20)) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and (b20 := x20.data).ndim == 1 and b20.c_contiguous else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
         m.kv_mem_descs,
         0,  # 22: flat_state_type: removed in 1.1; older readers get the old default
         b"",  # 23: flat_state_base_addrs: removed in 1.1; older readers get the old default
@@ -296,10 +325,10 @@ def _dec_RegisterInfo(w: _W_RegisterInfo, c: _a.Cursor) -> RegisterInfo:
         geometry=_dec_ParallelGeometry(w.geometry, c),
         first_layer=w.first_layer,
         num_layers=w.num_layers,
-        k_base_addrs=c.array(w.k_base_addrs, _a.U64, 8, 'k_base_addrs'),
-        v_base_addrs=c.array(w.v_base_addrs, _a.U64, 8, 'v_base_addrs'),
-        bytes_per_page=c.array(w.bytes_per_page, _a.U64, 8, 'bytes_per_page'),
-        region_lens=c.array(w.region_lens, _a.U64, 8, 'region_lens'),
+        k_base_addrs=_view(w.k_base_addrs, _U64, 8, c, 'k_base_addrs'),
+        v_base_addrs=_view(w.v_base_addrs, _U64, 8, c, 'v_base_addrs'),
+        bytes_per_page=_view(w.bytes_per_page, _U64, 8, c, 'bytes_per_page'),
+        region_lens=_view(w.region_lens, _U64, 8, c, 'region_lens'),
         num_pages=w.num_pages,
         page_size=w.page_size,
         kv_layout=w.kv_layout,
@@ -307,11 +336,39 @@ def _dec_RegisterInfo(w: _W_RegisterInfo, c: _a.Cursor) -> RegisterInfo:
         kv_heads_total=w.kv_heads_total,
         bytes_per_head=w.bytes_per_head,
         is_mla=w.is_mla,
-        aux_base_addrs=c.array(w.aux_base_addrs, _a.U64, 8, 'aux_base_addrs'),
-        aux_lens=c.array(w.aux_lens, _a.U64, 8, 'aux_lens'),
-        aux_item_lens=c.array(w.aux_item_lens, _a.U64, 8, 'aux_item_lens'),
+        aux_base_addrs=_view(w.aux_base_addrs, _U64, 8, c, 'aux_base_addrs'),
+        aux_lens=_view(w.aux_lens, _U64, 8, c, 'aux_lens'),
+        aux_item_lens=_view(w.aux_item_lens, _U64, 8, c, 'aux_item_lens'),
         kv_mem_descs=w.kv_mem_descs,
         state_components=[_dec_StateComponent(e0, c) for e0 in w.state_components],
+    )
+
+
+def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> RegisterInfo:
+    return RegisterInfo(
+        endpoint=w.endpoint,
+        engine_id=w.engine_id,
+        agent_name=w.agent_name,
+        agent_metadata=w.agent_metadata,
+        geometry=_fdec_ParallelGeometry(w.geometry, f, k),
+        first_layer=w.first_layer,
+        num_layers=w.num_layers,
+        k_base_addrs=(_fb(x7, _U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
+        v_base_addrs=(_fb(x8, _U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
+        bytes_per_page=(_fb(x9, _U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
+        region_lens=(_fb(x10, _U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
+        num_pages=w.num_pages,
+        page_size=w.page_size,
+        kv_layout=w.kv_layout,
+        kv_heads_per_rank=w.kv_heads_per_rank,
+        kv_heads_total=w.kv_heads_total,
+        bytes_per_head=w.bytes_per_head,
+        is_mla=w.is_mla,
+        aux_base_addrs=(_fb(x18, _U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
+        aux_lens=(_fb(x19, _U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
+        aux_item_lens=(_fb(x20, _U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
+        kv_mem_descs=w.kv_mem_descs,
+        state_components=[_fdec_StateComponent(e0, f, k) for e0 in w.state_components],
     )
 
 
@@ -347,9 +404,10 @@ class TransferRequest(msgspec.Struct, kw_only=True):
         )
 
 
-class _W_TransferRequest(msgspec.Struct, array_like=True, kw_only=True):
+class _W_TransferRequest(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # The body on the wire: position = stable field id. Never forbid unknown fields here:
-    # newer minors append positions that this version must skip.
+    # newer minors append positions that this version must skip. gc=False: decoded from
+    # msgpack (a tree, never a cycle) and dropped at once, so the GC need not track it.
     room: _t.U64
     sender: str
     dst_kv_indices: _t.ArrayRef
@@ -366,13 +424,13 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
     return [
         m.room,
         m.sender,
-        _pack(m.dst_kv_indices, _a.I32, side, 'TransferRequest.dst_kv_indices'),
+        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
         m.dst_aux_index,
         b"",  # 4: flat_state_indices: removed in 1.1; older readers get the old default
         m.required_dst_info_num,
         m.decode_prefix_len,
         m.is_dummy,
-        [(None if e0 is None else _pack(e0, _a.I32, side, 'TransferRequest.state_indices[]')) for e0 in m.state_indices],
+        [(None if e0 is None else ((b8_0_1 if side is None or b8_0_1.nbytes < _SIDE_MIN else _attach(side, b8_0_1)) if type(e0) is _nd and e0.dtype is _I32 and (b8_0_1 := e0.data).ndim == 1 and b8_0_1.c_contiguous else _pack(e0, _I32, side, 'TransferRequest.state_indices[]'))) for e0 in m.state_indices],
     ]
 
 
@@ -380,12 +438,25 @@ def _dec_TransferRequest(w: _W_TransferRequest, c: _a.Cursor) -> TransferRequest
     return TransferRequest(
         room=w.room,
         sender=w.sender,
-        dst_kv_indices=c.array(w.dst_kv_indices, _a.I32, 4, 'dst_kv_indices'),
+        dst_kv_indices=_view(w.dst_kv_indices, _I32, 4, c, 'dst_kv_indices'),
         dst_aux_index=w.dst_aux_index,
         required_dst_info_num=w.required_dst_info_num,
         decode_prefix_len=w.decode_prefix_len,
         is_dummy=w.is_dummy,
-        state_indices=[(None if e0 is None else c.array(e0, _a.I32, 4, 'state_indices[]')) for e0 in w.state_indices],
+        state_indices=[(None if e0 is None else _view(e0, _I32, 4, c, 'state_indices[]')) for e0 in w.state_indices],
+    )
+
+
+def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter) -> TransferRequest:
+    return TransferRequest(
+        room=w.room,
+        sender=w.sender,
+        dst_kv_indices=(_fb(x2, _I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
+        dst_aux_index=w.dst_aux_index,
+        required_dst_info_num=w.required_dst_info_num,
+        decode_prefix_len=w.decode_prefix_len,
+        is_dummy=w.is_dummy,
+        state_indices=[(None if e0 is None else (_fb(e0, _I32) if type(e0) is bytes else _fb(f[e0], _I32) if e0 == _next(k) else _bail())) for e0 in w.state_indices],
     )
 
 
@@ -393,28 +464,32 @@ TransferStatus = _prev.TransferStatus
 _W_TransferStatus = _prev._W_TransferStatus
 _enc_TransferStatus = _prev._enc_TransferStatus
 _dec_TransferStatus = _prev._dec_TransferStatus
+_fdec_TransferStatus = _prev._fdec_TransferStatus
 
 
 Notification = _prev.Notification
 _W_Notification = _prev._W_Notification
 _enc_Notification = _prev._enc_Notification
 _dec_Notification = _prev._dec_Notification
+_fdec_Notification = _prev._fdec_Notification
 
 
 Abort = _prev.Abort
 _W_Abort = _prev._W_Abort
 _enc_Abort = _prev._enc_Abort
 _dec_Abort = _prev._dec_Abort
+_fdec_Abort = _prev._fdec_Abort
 
 
 AbortAck = _prev.AbortAck
 _W_AbortAck = _prev._W_AbortAck
 _enc_AbortAck = _prev._enc_AbortAck
 _dec_AbortAck = _prev._dec_AbortAck
+_fdec_AbortAck = _prev._fdec_AbortAck
 
 
 CODECS: dict[int, _env.MessageCodec] = {
-    1: _env.MessageCodec(
+    1: _env.codec(
         name="Hello",
         type_id=1,
         protocol_id=PROTOCOL_ID,
@@ -423,6 +498,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Hello,
         decoder=msgspec.msgpack.Decoder(_W_Hello),
         from_wire=_dec_Hello,
+        fast_from_wire=_fdec_Hello,
         slots=(
             "protocol",
             "versions",
@@ -432,9 +508,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "model",
             "capabilities",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 1),
     ),
-    2: _env.MessageCodec(
+    2: _env.codec(
         name="RegisterInfo",
         type_id=2,
         protocol_id=PROTOCOL_ID,
@@ -443,6 +518,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_RegisterInfo,
         decoder=msgspec.msgpack.Decoder(_W_RegisterInfo),
         from_wire=_dec_RegisterInfo,
+        fast_from_wire=_fdec_RegisterInfo,
         slots=(
             "endpoint",
             "engine_id",
@@ -473,9 +549,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "reserved_26",
             "state_components",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 2),
     ),
-    3: _env.MessageCodec(
+    3: _env.codec(
         name="TransferRequest",
         type_id=3,
         protocol_id=PROTOCOL_ID,
@@ -484,6 +559,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_TransferRequest,
         decoder=msgspec.msgpack.Decoder(_W_TransferRequest),
         from_wire=_dec_TransferRequest,
+        fast_from_wire=_fdec_TransferRequest,
         slots=(
             "room",
             "sender",
@@ -495,9 +571,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "is_dummy",
             "state_indices",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 3),
     ),
-    4: _env.MessageCodec(
+    4: _env.codec(
         name="TransferStatus",
         type_id=4,
         protocol_id=PROTOCOL_ID,
@@ -506,15 +581,15 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_TransferStatus,
         decoder=msgspec.msgpack.Decoder(_W_TransferStatus),
         from_wire=_dec_TransferStatus,
+        fast_from_wire=_fdec_TransferStatus,
         slots=(
             "room",
             "status",
             "sender_rank",
             "reason",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 4),
     ),
-    5: _env.MessageCodec(
+    5: _env.codec(
         name="Notification",
         type_id=5,
         protocol_id=PROTOCOL_ID,
@@ -523,6 +598,7 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Notification,
         decoder=msgspec.msgpack.Decoder(_W_Notification),
         from_wire=_dec_Notification,
+        fast_from_wire=_fdec_Notification,
         slots=(
             "room",
             "kind",
@@ -532,9 +608,8 @@ CODECS: dict[int, _env.MessageCodec] = {
             "component",
             "expected_consumers",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 5),
     ),
-    6: _env.MessageCodec(
+    6: _env.codec(
         name="Abort",
         type_id=6,
         protocol_id=PROTOCOL_ID,
@@ -543,14 +618,14 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_Abort,
         decoder=msgspec.msgpack.Decoder(_W_Abort),
         from_wire=_dec_Abort,
+        fast_from_wire=_fdec_Abort,
         slots=(
             "room",
             "sender",
             "reason",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 6),
     ),
-    7: _env.MessageCodec(
+    7: _env.codec(
         name="AbortAck",
         type_id=7,
         protocol_id=PROTOCOL_ID,
@@ -559,11 +634,11 @@ CODECS: dict[int, _env.MessageCodec] = {
         to_wire=_enc_AbortAck,
         decoder=msgspec.msgpack.Decoder(_W_AbortAck),
         from_wire=_dec_AbortAck,
+        fast_from_wire=_fdec_AbortAck,
         slots=(
             "room",
             "sender_rank",
         ),
-        header=_env.make_header(PROTOCOL_ID, VERSION, 7),
     ),
 }
 """Message codecs of this version by type id."""

@@ -8,9 +8,10 @@ body references by frame index. Decoding never copies: arrays are ``np.frombuffe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -27,6 +28,16 @@ U64 = np.dtype("<u8")
 Buffer = bytes | bytearray | memoryview
 WireArray = bytes | memoryview | int
 SideFrames = list[Buffer]
+Frames = Sequence[Buffer]
+SideCounter = Iterator[int]  # itertools.count(2): the side-frame index the fast decoder expects next
+
+
+class Bail(Exception):
+    """Raised by the fast decoder when it meets anything unusual; the checked decoder then runs."""
+
+
+def bail() -> Any:
+    raise Bail
 
 _EMPTY: dict[np.dtype[Any], npt.NDArray[Any]] = {}
 
@@ -39,6 +50,10 @@ def empty(dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         arr.flags.writeable = False
         _EMPTY[dtype] = arr
     return arr
+
+
+for _dt in (I32, U32, U64):
+    empty(_dt)
 
 
 def empty_i32() -> npt.NDArray[np.int32]:
@@ -72,48 +87,59 @@ def _coerce(value: object, dtype: np.dtype[Any], where: str) -> npt.NDArray[Any]
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+_ndarray = np.ndarray
+_frombuffer = np.frombuffer
+
+
 def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
     """Encode one packed array: inline bytes, or a side-frame index when ``side`` is given and it is large."""
-    # fast path: numpy caches the builtin dtypes, so identity usually decides
-    if type(value) is np.ndarray and (value.dtype is dtype or value.dtype == dtype) and value.ndim == 1:
-        arr: npt.NDArray[Any] = value if value.flags.c_contiguous else _coerce(value, dtype, where)
-    else:
-        arr = _coerce(value, dtype, where)
-    if side is None or arr.nbytes < SIDE_FRAME_MIN_BYTES:
-        return arr.data  # msgspec writes a buffer's bytes as bin, whatever its item format
-    side.append(arr.data.cast("B"))  # its own frame, never copied; byte-formatted for len()
+    # fast path: a 1-D C-contiguous ndarray of exactly ``dtype`` (numpy caches the builtin
+    # dtypes, so identity decides); its memoryview answers shape, contiguity and size at once
+    if type(value) is _ndarray and value.dtype is dtype:
+        buf = value.data
+        if buf.ndim == 1 and buf.c_contiguous:
+            if side is None or buf.nbytes < SIDE_FRAME_MIN_BYTES:
+                return buf  # msgspec writes a buffer's bytes as bin, whatever its item format
+            side.append(buf.cast("B"))  # its own frame, never copied; byte-formatted for len()
+            return len(side) + 1  # frames 0 and 1 are the header and the body
+    return _pack_slow(value, dtype, side, where)
+
+
+def attach(side: SideFrames, buf: memoryview) -> int:
+    """Append a contiguous array's buffer as a side frame; its frame index."""
+    side.append(buf.cast("B"))  # its own frame, never copied; byte-formatted for len()
     return len(side) + 1  # frames 0 and 1 are the header and the body
 
 
-class Cursor:
+def _pack_slow(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
+    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1 and value.flags.c_contiguous:
+        arr: npt.NDArray[Any] = value
+    else:
+        arr = _coerce(value, dtype, where)
+    if side is None or arr.nbytes < SIDE_FRAME_MIN_BYTES:
+        return arr.data
+    side.append(arr.data.cast("B"))
+    return len(side) + 1
+
+
+class Cursor(msgspec.Struct, gc=False):
     """Decode-side state: the received frames and which side frames the body referenced.
 
     References must increase (no frame is read twice, none out of order). A message of the
     reader's own minor must reference every side frame; one of a newer minor may carry
-    frames for fields this reader skips.
+    frames for fields this reader skips. A msgspec struct: built in C, far cheaper per
+    message than a Python class.
     """
 
-    __slots__ = ("frames", "message", "next", "used")
-
-    def __init__(self, frames: Sequence[Buffer], message: str) -> None:
-        self.frames = frames
-        self.message = message
-        self.next = 2
-        self.used = 0
+    frames: Sequence[Buffer]
+    message: str
+    next: int = 2
+    used: int = 0
 
     def array(self, value: bytes | int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
-        if isinstance(value, bytes):
-            if len(value) % itemsize:
-                raise ArrayError(
-                    f"{len(value)} bytes is not a multiple of {dtype.name}'s {itemsize}",
-                    message=self.message,
-                    field=field,
-                    frame=1,
-                )
-            return np.frombuffer(value, dtype)
-        return self._side(value, dtype, itemsize, field)
+        return view(value, dtype, itemsize, self, field)
 
-    def _side(self, index: int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
+    def side(self, index: int, dtype: np.dtype[Any], itemsize: int, field: str) -> npt.NDArray[Any]:
         if index < self.next:
             raise ArrayError(
                 f"references frame {index}; side frames are referenced once, in order (next >= {self.next})",
@@ -121,11 +147,12 @@ class Cursor:
                 field=field,
                 frame=1,
             )
-        if index >= len(self.frames):
+        frames = self.frames
+        if index >= len(frames):
             raise FrameCountError(
                 f"references missing frame {index}", message=self.message, field=field, frame=index
             )
-        buf = self.frames[index]
+        buf = frames[index]
         self.next = index + 1
         self.used += 1
         if len(buf) % itemsize:
@@ -135,7 +162,7 @@ class Cursor:
                 field=field,
                 frame=index,
             )
-        return np.frombuffer(buf, dtype)
+        return _frombuffer(buf, dtype)
 
     def finish(self, strict: bool = True) -> None:
         if strict and self.used != len(self.frames) - 2:
@@ -144,6 +171,20 @@ class Cursor:
                 message=self.message,
                 frame=len(self.frames) - 1,
             )
+
+
+def view(value: bytes | int, dtype: np.dtype[Any], itemsize: int, c: Cursor, field: str) -> npt.NDArray[Any]:
+    """Decode one packed array (the checked path): a read-only view of inline bytes or of its side frame."""
+    if isinstance(value, bytes):
+        if len(value) % itemsize:
+            raise ArrayError(
+                f"{len(value)} bytes is not a multiple of {dtype.name}'s {itemsize}",
+                message=c.message,
+                field=field,
+                frame=1,
+            )
+        return _frombuffer(value, dtype) if value else _EMPTY[dtype]
+    return c.side(value, dtype, itemsize, field)
 
 
 def values_equal(a: object, b: object) -> bool:

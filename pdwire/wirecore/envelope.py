@@ -12,12 +12,13 @@ model and down-converts when encoding for an older peer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
 
-from .arrays import Buffer, Cursor, SideFrames
+from .arrays import Buffer, Cursor, Frames, SideCounter, SideFrames
 from .errors import (
     BodyError,
     DowngradeError,
@@ -33,12 +34,12 @@ from .header import HEADER_SIZE, MAGIC, MAX_SIDE_FRAMES, pack_header, parse_head
 from .msgspec_errors import body_error
 from .negotiate import Version, describe
 
-Frames = Sequence[Buffer]
 Step = Callable[[Any], Any]
+_count = itertools.count
 
 
 class MessageCodec(NamedTuple):
-    """Everything needed to encode and decode one message type at one version."""
+    """Everything to encode and decode one message type at one version (built by :func:`codec`)."""
 
     name: str
     type_id: int
@@ -48,41 +49,79 @@ class MessageCodec(NamedTuple):
     to_wire: Callable[[Any, SideFrames | None], list[Any]]
     decoder: msgspec.msgpack.Decoder[Any]
     from_wire: Callable[[Any, Cursor], Any]
+    # the same without checks of its own: any surprise raises and from_wire runs instead
+    fast_from_wire: Callable[[Any, Frames, SideCounter], Any]
     slots: tuple[str, ...]  # field name by id, for error messages
-    header: bytes  # header frame with zero side frames
+    headers: tuple[bytes, ...]  # header frame by side-frame count, for the first HEADERS_CACHED counts
+    lone_cursor: Cursor  # shared by messages without side frames (never mutated: any reference fails)
+
+    @property
+    def header(self) -> bytes:
+        """The header frame with zero side frames."""
+        return self.headers[0]
 
 
-def make_header(protocol_id: int, version: Version, type_id: int) -> bytes:
-    return pack_header(MAGIC, protocol_id, version[0], version[1], type_id, 0)
+# Header frames are precomputed for this many side-frame counts (0 .. HEADERS_CACHED - 1) per
+# message codec: encoding indexes a tuple and decoding dispatches on the header bytes.
+HEADERS_CACHED = 16
 
 
-_ENCODER = msgspec.msgpack.Encoder()
+def make_header(protocol_id: int, version: Version, type_id: int, side: int = 0) -> bytes:
+    return pack_header(MAGIC, protocol_id, version[0], version[1], type_id, side)
+
+
+def codec(
+    *,
+    name: str,
+    type_id: int,
+    protocol_id: int,
+    version: Version,
+    cls: type,
+    to_wire: Callable[[Any, SideFrames | None], list[Any]],
+    decoder: msgspec.msgpack.Decoder[Any],
+    from_wire: Callable[[Any, Cursor], Any],
+    fast_from_wire: Callable[[Any, Frames, SideCounter], Any],
+    slots: tuple[str, ...],
+) -> MessageCodec:
+    """A :class:`MessageCodec` with its precomputed header frames."""
+    headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
+    lone = Cursor((b"", b""), name)
+    return MessageCodec(
+        name, type_id, protocol_id, version, cls, to_wire, decoder, from_wire,
+        fast_from_wire, slots, headers, lone
+    )
+
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def encode_with(mc: MessageCodec, msg: Any) -> list[Buffer]:
     side: SideFrames = []
     try:
-        body = _ENCODER.encode(mc.to_wire(msg, side))
+        body = _encode(mc.to_wire(msg, side))
     except WireError:
         raise
     except Exception as exc:  # msgspec/numpy refuse a wrongly typed value
         raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
-    if not side:
-        return [mc.header, body]
-    if len(side) > MAX_SIDE_FRAMES:
-        raise EncodeError(f"{len(side)} side frames exceed {MAX_SIDE_FRAMES}", message=mc.name)
+    n = len(side)
+    if not n:
+        return [mc.headers[0], body]
+    if n < HEADERS_CACHED:
+        return [mc.headers[n], body, *side]
+    if n > MAX_SIDE_FRAMES:
+        raise EncodeError(f"{n} side frames exceed {MAX_SIDE_FRAMES}", message=mc.name)
     v = mc.version
-    return [pack_header(MAGIC, mc.protocol_id, v[0], v[1], mc.type_id, len(side)), body, *side]
+    return [pack_header(MAGIC, mc.protocol_id, v[0], v[1], mc.type_id, n), body, *side]
 
 
 def encode_bytes_with(mc: MessageCodec, msg: Any) -> bytes:
     try:
-        body = _ENCODER.encode(mc.to_wire(msg, None))
+        body = _encode(mc.to_wire(msg, None))
     except WireError:
         raise
     except Exception as exc:
         raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
-    return mc.header + body
+    return mc.headers[0] + body
 
 
 def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
@@ -98,14 +137,16 @@ def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
         raise
     except Exception as exc:  # e.g. RecursionError, a frame without the buffer protocol
         raise BodyError(f"undecodable body: {exc!r}", message=mc.name, frame=1) from None
-    cursor = Cursor(frames, mc.name)
+    lone = len(frames) == 2
+    cursor = mc.lone_cursor if lone else Cursor(frames, mc.name)
     try:
         msg = mc.from_wire(wire, cursor)
     except WireError:
         raise
     except Exception as exc:
         raise BodyError(f"undecodable body: {exc!r}", message=mc.name, frame=1) from None
-    cursor.finish(strict)
+    if not lone:
+        cursor.finish(strict)
     return msg
 
 
@@ -114,7 +155,7 @@ def split_bytes(buf: Buffer) -> list[Buffer]:
     view = memoryview(buf)
     if len(view) < HEADER_SIZE:
         raise HeaderError(f"buffer is {len(view)} bytes, shorter than the {HEADER_SIZE}-byte header", frame=0)
-    return [view[:HEADER_SIZE], view[HEADER_SIZE:]]
+    return [bytes(view[:HEADER_SIZE]), view[HEADER_SIZE:]]  # a 12-byte copy: the header dispatches by value
 
 
 class Registry:
@@ -149,9 +190,15 @@ class Registry:
             for mc in codecs[v].values():
                 self.by_class[mc.cls] = mc
         self.dispatch: dict[tuple[int, int, int], tuple[MessageCodec, Step | None]] = {}
+        # exact header frame -> (codec, step to the newest model, frame count, version): one
+        # dict lookup checks magic, protocol, version, type and side-frame count together
+        self.by_header: dict[bytes, tuple[MessageCodec, Step | None, int, Version]] = {}
         for v in self.versions:
             for tid, mc in codecs[v].items():
-                self.dispatch[(v[0], v[1], tid)] = (mc, self._chain(mc.name, v, self.newest))
+                step = self._chain(mc.name, v, self.newest)
+                self.dispatch[(v[0], v[1], tid)] = (mc, step)
+                for k, header in enumerate(mc.headers):
+                    self.by_header[header] = (mc, step, k + 2, v)
 
     # --- conversion between versions -------------------------------------------------
     def _chain(self, name: str, frm: Version, to: Version) -> Step | None:
@@ -194,6 +241,18 @@ class Registry:
     # --- public codec ----------------------------------------------------------------
     def encode(self, msg: Any, version: Version | None = None) -> list[Buffer]:
         mc = self.by_class.get(type(msg))
+        if mc is not None and (version is None or version == mc.version):
+            # the common case inline; any failure repeats through encode_with, which
+            # classifies it (encoding has no side effects outside its own side list)
+            side: SideFrames = []
+            try:
+                body = _encode(mc.to_wire(msg, side))
+            except Exception:
+                return encode_with(mc, msg)
+            n = len(side)
+            if n < HEADERS_CACHED:
+                return [mc.headers[n], body, *side]
+            return encode_with(mc, msg)
         if mc is None:
             raise EncodeError(f"{type(msg).__name__} is not a {self.protocol} message")
         if version is None or version == mc.version:
@@ -208,12 +267,45 @@ class Registry:
             return encode_bytes_with(mc, msg)
         return encode_bytes_with(*self.convert(msg, version))
 
+    def _fast(self, frames: Frames) -> tuple[Any, Version] | None:
+        """The common case in one Python frame: a ``bytes`` header this build wrote itself.
+
+        One dict lookup on the header bytes checks magic, protocol, version, type and
+        side-frame count at once. Any failure returns None and the caller takes the
+        checked path, which repeats the work and raises the classified error (decoding
+        has no side effects, so repeating it is safe).
+        """
+        n = len(frames)
+        if n < 2:
+            return None
+        header = frames[0]
+        if type(header) is not bytes:
+            return None
+        entry = self.by_header.get(header)
+        if entry is None or n != entry[2]:
+            return None
+        mc = entry[0]
+        try:
+            k = _count(2)
+            msg = mc.fast_from_wire(mc.decoder.decode(frames[1]), frames, k)
+            if next(k) != n:  # a side frame no field referenced
+                return None
+        except Exception:
+            return None
+        step = entry[1]
+        return (msg if step is None else step(msg)), entry[3]
+
     def decode(self, frames: Frames) -> Any:
-        msg, _ = self.decode_versioned(frames)
-        return msg
+        fast = self._fast(frames)
+        return fast[0] if fast is not None else self._checked(frames)[0]
 
     def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
         """Decode to the newest model; also return the version the sender wrote."""
+        fast = self._fast(frames)
+        return fast if fast is not None else self._checked(frames)
+
+    def _checked(self, frames: Frames) -> tuple[Any, Version]:
+        """Every header check spelled out; raises the classified error."""
         n = len(frames)
         if n < 2:
             raise FrameCountError(f"{n} frame(s); a message is a header frame and a body frame at least")
