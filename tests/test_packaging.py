@@ -78,5 +78,7 @@ def test_top_level_help_lists_every_command_without_importing_any() -> None:
         "loaded = [m for m, _ in COMMANDS.values() if m in sys.modules]; "
         "print(missing, loaded, 'torch' in sys.modules)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert result.stdout.strip() == "[] [] False"
