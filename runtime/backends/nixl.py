@@ -19,6 +19,10 @@ Mapping onto NIXL
   once per (peer, region pair, slot size) with ``prep_xfer_dlist`` and then posts with
   ``make_prepped_xfer`` by slot index, which skips per-request descriptor preparation.
 
+Progress thread: NIXL's Python wrapper starts it with a zero delay, i.e. spinning on a whole
+core per agent; this backend builds the agent with ``progress_delay_us`` (default 1000) so the
+thread sleeps in poll() on UCX's event fd between events (see ``_progress_delay``).
+
 Set ``UCX_NET_DEVICES=lo`` on a single host and ``NIXL_LOG_LEVEL=WARN`` to quiet logs.
 """
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +76,43 @@ def _skip_verbs_modules_without_rdma_devices() -> None:
     os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
 
 
+# The NIXL Python wrapper builds its agent with ``pthrDelay = 0``: the UCX progress thread
+# then never sleeps and burns a whole core per agent, even when idle (measured: 0.73-1.0 CPU
+# seconds per second on an idle agent; 0.02 with a delay). On a host shared by several
+# ranks that spinning starves everything else. A positive delay makes the thread block in
+# poll() on the UCX worker's event fd (woken by every arriving event) with the delay only
+# as a fallback wake-up period. ``progress_delay_us`` (or PDWIRE_NIXL_PROGRESS_DELAY_US)
+# overrides it; 0 restores NIXL's spinning thread.
+DEFAULT_PROGRESS_DELAY_US = 1000
+
+
+@contextlib.contextmanager
+def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """Make ``nixl_agent(...)`` built inside this block use ``pthrDelay = delay_us``.
+
+    The wrapper offers no option for it, so its config class is swapped for a subclass whose
+    ``pthrDelay`` setter stores ``delay_us`` instead. Left untouched (the wrapper's own 0)
+    when the binding does not look as expected.
+    """
+    bind: Any = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    prop = getattr(base, "pthrDelay", None) if base is not None else None
+    if not isinstance(base, type) or not isinstance(prop, property) or prop.fset is None:
+        yield
+        return
+
+    def _set(self: Any, _value: int) -> None:
+        assert prop is not None and prop.fset is not None
+        prop.fset(self, delay_us)
+
+    patched = type("nixlAgentConfig", (base,), {"pthrDelay": property(prop.fget, _set)})
+    bind.nixlAgentConfig = patched
+    try:
+        yield
+    finally:
+        bind.nixlAgentConfig = base
+
+
 @dataclass
 class _Xfer:
     reqs: list[Any]  # nixl_xfer_handle per batch
@@ -89,9 +132,11 @@ class NixlBackend(Backend):
         transfer_timeout_s: float = 30.0,
         max_descs_per_xfer: int = 32768,
         ucx_params: dict[str, str] | None = None,
+        progress_delay_us: int | None = None,
     ) -> None:
         super().__init__(agent_name, transfer_timeout_s)
         _skip_verbs_modules_without_rdma_devices()
+        import nixl._api as nixl_api
         from nixl._api import nixl_agent, nixl_agent_config
 
         if max_descs_per_xfer <= 0:
@@ -99,7 +144,15 @@ class NixlBackend(Backend):
         self.max_descs = max_descs_per_xfer
         # The progress thread is required: without it a WRITE between agents never completes.
         cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
-        self._agent = nixl_agent(self.agent_name, cfg)
+        if progress_delay_us is None:
+            env = os.environ.get("PDWIRE_NIXL_PROGRESS_DELAY_US", "")
+            progress_delay_us = int(env) if env.strip() else DEFAULT_PROGRESS_DELAY_US
+        if progress_delay_us < 0:
+            raise TransferError(f"progress_delay_us must be >= 0, got {progress_delay_us}")
+        # nixl._api re-exports the CUDA-flavoured module's names; patch where the class lives.
+        impl = sys.modules.get(nixl_agent.__module__, nixl_api)
+        with _progress_delay(impl, progress_delay_us):
+            self._agent = nixl_agent(self.agent_name, cfg)
         self._agent.create_backend("UCX", dict(ucx_params or {}))
         self._reg_descs: list[Any] = []
         self._buffers: list[HostBuffer] = []
