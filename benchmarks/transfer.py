@@ -2,9 +2,12 @@
 
     .venv/bin/python benchmarks/transfer.py [--repeats 5] [--backends local,nixl,mooncake]
 
-Each case posts one DescriptorTable between two agents of one backend in this process
-(initiator -> target, the target's memory pre-faulted), waits for DONE and for the
-target's notification, and times post-to-notification. The baseline is one
+Each case posts one DescriptorTable between two agents of one backend (initiator ->
+target, the target's memory pre-faulted), waits for DONE and for the target's
+notification, and times post-to-notification. Both agents live in this process; the
+backends named by ``--two-process`` are measured a second time with the target in a
+spawned process (rows "(2 procs)"), which is how the runtime uses them; there the
+target reports each notification back over a pipe. Every case checks all bytes. The baseline is one
 ``np.copyto`` of the same number of bytes between two pre-faulted buffers. Reported:
 medians over ``--repeats`` runs, GB/s, ratio to memcpy, descriptors per second.
 
@@ -15,19 +18,24 @@ rows of the runtime go there too).
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from pdwire.runtime.backends import available_backends, create_backend
+from pdwire.runtime.backends import Backend, available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 
 MiB = 1 << 20
@@ -79,59 +87,134 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def backend_seconds(name: str, nbytes: int, desc: int, repeats: int, scatter: bool) -> float:
-    engine, opts = VARIANTS.get(name, (name, {}))
-    a = create_backend(engine, agent_name=f"bench-a-{name}", **opts)
+def _table(src_base: int, dst_base: int, nbytes: int, desc: int, scatter: bool) -> DescriptorTable:
+    n = nbytes // desc
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(desc)
+    dst_offs = np.random.default_rng(0).permutation(offs) if scatter else offs
+    return DescriptorTable(
+        offs + np.uint64(src_base),
+        dst_offs + np.uint64(dst_base),
+        np.full(n, desc, dtype=np.uint64),
+        np.zeros(n, dtype=np.uint32),
+        np.zeros(n, dtype=np.uint32),
+    )
+
+
+def _fill(arr: npt.NDArray[np.uint8]) -> None:
+    arr[:] = (np.arange(arr.size, dtype=np.uint32) % 251).astype(np.uint8)
+
+
+def _verify(src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], table: DescriptorTable) -> None:
+    desc = int(table.length[0])
+    s = (table.src_addr - table.src_addr.min()) // np.uint64(desc)
+    d = (table.dst_addr - table.dst_addr.min()) // np.uint64(desc)
+    rows_src, rows_dst = src.reshape(-1, desc), dst.reshape(-1, desc)
+    assert np.array_equal(rows_src[s.astype(np.int64)], rows_dst[d.astype(np.int64)]), "bytes differ"
+
+
+def _target(conn: Connection, engine: str, opts: dict[str, object], name: str, nbytes: int) -> None:
+    """The target agent in its own process: registers, then reports every notification."""
     b = create_backend(engine, agent_name=f"bench-b-{name}", **opts)
     try:
-        src, dst = a.allocate("src", nbytes), b.allocate("dst", nbytes)
-        src.array[:] = 7
-        a.register([src.region()])
+        dst = b.allocate("dst", nbytes)
         b.register([dst.region()])
-        peer = a.add_peer(b.local_metadata())
-        n = nbytes // desc
-        offs = np.arange(n, dtype=np.uint64) * np.uint64(desc)
-        dst_offs = np.random.default_rng(0).permutation(offs) if scatter else offs
-        table = DescriptorTable(
-            offs + np.uint64(src.address),
-            dst_offs + np.uint64(dst.address),
-            np.full(n, desc, dtype=np.uint64),
-            np.zeros(n, dtype=np.uint32),
-            np.zeros(n, dtype=np.uint32),
-        )
+        conn.send((b.local_metadata(), dst.address))
+        while True:
+            got = b.receive_notifications()
+            if got:
+                conn.send([n.payload for n in got])
+            elif conn.poll(0):
+                if conn.recv() == "stop":
+                    conn.send(bytes(dst.array))
+                    return
+            else:
+                time.sleep(1e-5)
+    finally:
+        b.close()
+
+
+def _recv(conn: Connection, child: SpawnProcess, timeout_s: float = 120.0) -> Any:
+    if not conn.poll(timeout_s):
+        raise SystemExit(f"target process silent for {timeout_s}s (exit code {child.exitcode})")
+    return conn.recv()
+
+
+def backend_seconds(name: str, nbytes: int, desc: int, repeats: int, scatter: bool, procs: int) -> float:
+    """Median post-to-notification seconds; ``procs`` 2 puts the target in its own process."""
+    engine, opts = VARIANTS.get(name, (name, {}))
+    a = create_backend(engine, agent_name=f"bench-a-{name}", **opts)
+    b: Backend | None = None
+    child: SpawnProcess | None = None
+    conn: Connection | None = None
+    try:
+        if procs == 1:
+            b = create_backend(engine, agent_name=f"bench-b-{name}", **opts)
+            dst = b.allocate("dst", nbytes)
+            b.register([dst.region()])
+            md, dst_base = b.local_metadata(), dst.address
+        else:
+            ctx = mp.get_context("spawn")
+            conn, theirs = ctx.Pipe()
+            child = ctx.Process(target=_target, args=(theirs, engine, opts, name, nbytes), daemon=True)
+            child.start()
+            md, dst_base = _recv(conn, child)
+        src = a.allocate("src", nbytes)
+        _fill(src.array)
+        a.register([src.region()])
+        peer = a.add_peer(md)
+        table = _table(src.address, dst_base, nbytes, desc, scatter)
         times = []
         for i in range(repeats + 1):  # the first run warms connections up and is dropped
             t0 = time.perf_counter()
             h = a.post(peer, table, f"r{i}".encode())
             st = a.wait(h, 120)
             assert st.state.value == "DONE", st
-            while not b.receive_notifications():
-                time.sleep(1e-5)
+            if b is not None:
+                while not b.receive_notifications():
+                    time.sleep(1e-5)
+            else:
+                assert conn is not None and child is not None
+                assert _recv(conn, child) == [f"r{i}".encode()]
             times.append(time.perf_counter() - t0)
             a.release(h)
-        assert np.array_equal(src.array[:desc], dst.array[int(dst_offs[0]) : int(dst_offs[0]) + desc])
+        if b is not None:
+            _verify(src.array, dst.array, table)
+        else:
+            assert conn is not None and child is not None
+            conn.send("stop")
+            _verify(src.array, np.frombuffer(_recv(conn, child), dtype=np.uint8), table)
         return statistics.median(times[1:])
     finally:
         a.close()
-        b.close()
+        if b is not None:
+            b.close()
+        if child is not None:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+                child.join()
 
 
-Case = Callable[[str, int], Row]
+Case = Callable[[str, int, int], Row]
 
 
-def large(name: str, repeats: int) -> Row:
+def _label(name: str, procs: int) -> str:
+    return name if procs == 1 else f"{name} (2 procs)"
+
+
+def large(name: str, repeats: int, procs: int) -> Row:
     nbytes, desc = 64 * MiB, 2 * MiB
     return Row(
-        name, "64 MiB in 2 MiB descs", nbytes, nbytes // desc,
-        backend_seconds(name, nbytes, desc, repeats, False), memcpy_seconds(nbytes, repeats),
+        _label(name, procs), "64 MiB in 2 MiB descs", nbytes, nbytes // desc,
+        backend_seconds(name, nbytes, desc, repeats, False, procs), memcpy_seconds(nbytes, repeats),
     )  # fmt: skip
 
 
-def small(name: str, repeats: int) -> Row:
+def small(name: str, repeats: int, procs: int) -> Row:
     nbytes, desc = 16 * MiB, 4096
     return Row(
-        name, "4 KiB descs, scattered", nbytes, nbytes // desc,
-        backend_seconds(name, nbytes, desc, repeats, True), memcpy_seconds(nbytes, repeats),
+        _label(name, procs), "4 KiB descs, scattered", nbytes, nbytes // desc,
+        backend_seconds(name, nbytes, desc, repeats, True, procs), memcpy_seconds(nbytes, repeats),
     )  # fmt: skip
 
 
@@ -153,14 +236,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="local,nixl,nixl-shm,mooncake")
+    ap.add_argument(
+        "--two-process",
+        default="nixl,nixl-shm",
+        help="backends also measured with the target agent in a second process ('' for none)",
+    )
     args = ap.parse_args()
     names = [n for n in args.backends.split(",") if n]
+    two = [n for n in args.two_process.split(",") if n in names]
     missing = [n for n in names if VARIANTS.get(n, (n,))[0] not in available_backends()]
     if missing:
         raise SystemExit(f"backends not available here: {missing}")
     print(f"machine: {machine()}")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"repeats: {args.repeats} (medians)\n")
-    rows = [case(n, args.repeats) for n in names for case in CASES]
+    runs = [(n, p) for n in names for p in ((1, 2) if n in two else (1,))]
+    rows = [case(n, args.repeats, p) for n, p in runs for case in CASES]
     table = [HEADER, *[r.cells() for r in rows]]
     print("| " + " | ".join(table[0]) + " |")
     print("|" + "|".join("---" for _ in HEADER) + "|")
