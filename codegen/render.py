@@ -139,16 +139,15 @@ def _bind(var: str, tmp: str) -> tuple[str, str]:
 
 def enc_expr(t: TypeRef, var: str, where: str, tag: str = "", depth: int = 0) -> str:
     if t.kind == "array":
-        # Inline fast path for a 1-D C-contiguous ndarray of exactly the wire dtype (its
-        # memoryview answers shape, contiguity and size); anything else goes through _pack,
-        # which coerces or raises EncodeError naming the field.
+        # Inline fast path for a 1-D ndarray of exactly the wire dtype: a small one is copied
+        # by tobytes() (cheaper than a memoryview, and C order whatever its strides), a large
+        # one becomes a side frame in _big; anything else goes through _pack, which coerces
+        # or raises EncodeError naming the field.
         dt = f"_{_DT[t.name]}"
         first, x = _bind(var, f"x{tag}")
-        b = f"b{tag}"
         return (
-            f"(({b} if side is None or {b}.nbytes < _SIDE_MIN else _attach(side, {b}))"
-            f" if type({first}) is _nd and {x}.dtype is {dt}"
-            f" and ({b} := {x}.data).ndim == 1 and {b}.c_contiguous"
+            f"(({x}.tobytes() if {x}.nbytes < _SIDE_MIN else _big({x}, {dt}, side, {where!r}))"
+            f" if type({first}) is _nd and {x}.dtype is {dt} and {x}.ndim == 1"
             f" else _pack({x}, {dt}, side, {where!r}))"
         )
     if t.kind == "message":

@@ -10,7 +10,7 @@ of ``pdwire.wirecore.migrations``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pdwire.wirecore.migrations as _mig
 from pdwire.wirecore import envelope as _env
@@ -187,3 +187,13 @@ def decode_bytes(buf: bytes | bytearray | memoryview) -> Message:
     """Decode the single-buffer form."""
     result: Message = REGISTRY.decode_bytes(buf)
     return result
+
+
+if not TYPE_CHECKING:
+    # At run time the entry points are the registry's bound methods: no wrapper frame per
+    # message. The functions above give type checkers and readers the signatures.
+    encode = REGISTRY.encode
+    decode = REGISTRY.decode
+    decode_versioned = REGISTRY.decode_versioned
+    encode_bytes = REGISTRY.encode_bytes
+    decode_bytes = REGISTRY.decode_bytes

@@ -30,7 +30,7 @@ VERSION = (1, 0)
 PROTOCOL_ID = 1
 # module-level aliases: generated codecs call these per array, without attribute lookups
 _pack = _a.pack
-_attach = _a.attach
+_big = _a.big
 _view = _a.view
 _bail = _a.bail
 _next = next
@@ -479,10 +479,10 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         _enc_ParallelGeometry(m.geometry, side),
         m.first_layer,
         m.num_layers,
-        ((b7 if side is None or b7.nbytes < _SIDE_MIN else _attach(side, b7)) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and (b7 := x7.data).ndim == 1 and b7.c_contiguous else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
-        ((b8 if side is None or b8.nbytes < _SIDE_MIN else _attach(side, b8)) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and (b8 := x8.data).ndim == 1 and b8.c_contiguous else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
-        ((b9 if side is None or b9.nbytes < _SIDE_MIN else _attach(side, b9)) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and (b9 := x9.data).ndim == 1 and b9.c_contiguous else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
-        ((b10 if side is None or b10.nbytes < _SIDE_MIN else _attach(side, b10)) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and (b10 := x10.data).ndim == 1 and b10.c_contiguous else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
+        ((x7.tobytes() if x7.nbytes < _SIDE_MIN else _big(x7, _U64, side, 'RegisterInfo.k_base_addrs')) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and x7.ndim == 1 else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
+        ((x8.tobytes() if x8.nbytes < _SIDE_MIN else _big(x8, _U64, side, 'RegisterInfo.v_base_addrs')) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and x8.ndim == 1 else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
+        ((x9.tobytes() if x9.nbytes < _SIDE_MIN else _big(x9, _U64, side, 'RegisterInfo.bytes_per_page')) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and x9.ndim == 1 else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
+        ((x10.tobytes() if x10.nbytes < _SIDE_MIN else _big(x10, _U64, side, 'RegisterInfo.region_lens')) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and x10.ndim == 1 else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
         m.num_pages,
         m.page_size,
         m.kv_layout,
@@ -490,15 +490,15 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         m.kv_heads_total,
         m.bytes_per_head,
         m.is_mla,
-        ((b18 if side is None or b18.nbytes < _SIDE_MIN else _attach(side, b18)) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and (b18 := x18.data).ndim == 1 and b18.c_contiguous else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
-        ((b19 if side is None or b19.nbytes < _SIDE_MIN else _attach(side, b19)) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and (b19 := x19.data).ndim == 1 and b19.c_contiguous else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
-        ((b20 if side is None or b20.nbytes < _SIDE_MIN else _attach(side, b20)) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and (b20 := x20.data).ndim == 1 and b20.c_contiguous else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
+        ((x18.tobytes() if x18.nbytes < _SIDE_MIN else _big(x18, _U64, side, 'RegisterInfo.aux_base_addrs')) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and x18.ndim == 1 else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
+        ((x19.tobytes() if x19.nbytes < _SIDE_MIN else _big(x19, _U64, side, 'RegisterInfo.aux_lens')) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and x19.ndim == 1 else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
+        ((x20.tobytes() if x20.nbytes < _SIDE_MIN else _big(x20, _U64, side, 'RegisterInfo.aux_item_lens')) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and x20.ndim == 1 else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
         m.kv_mem_descs,
         m.flat_state_type,
-        ((b23 if side is None or b23.nbytes < _SIDE_MIN else _attach(side, b23)) if type(x23 := m.flat_state_base_addrs) is _nd and x23.dtype is _U64 and (b23 := x23.data).ndim == 1 and b23.c_contiguous else _pack(x23, _U64, side, 'RegisterInfo.flat_state_base_addrs')),
-        ((b24 if side is None or b24.nbytes < _SIDE_MIN else _attach(side, b24)) if type(x24 := m.flat_state_region_lens) is _nd and x24.dtype is _U64 and (b24 := x24.data).ndim == 1 and b24.c_contiguous else _pack(x24, _U64, side, 'RegisterInfo.flat_state_region_lens')),
-        ((b25 if side is None or b25.nbytes < _SIDE_MIN else _attach(side, b25)) if type(x25 := m.flat_state_bytes_per_slot) is _nd and x25.dtype is _U64 and (b25 := x25.data).ndim == 1 and b25.c_contiguous else _pack(x25, _U64, side, 'RegisterInfo.flat_state_bytes_per_slot')),
-        ((b26 if side is None or b26.nbytes < _SIDE_MIN else _attach(side, b26)) if type(x26 := m.flat_state_shard_axis_sizes) is _nd and x26.dtype is _U64 and (b26 := x26.data).ndim == 1 and b26.c_contiguous else _pack(x26, _U64, side, 'RegisterInfo.flat_state_shard_axis_sizes')),
+        ((x23.tobytes() if x23.nbytes < _SIDE_MIN else _big(x23, _U64, side, 'RegisterInfo.flat_state_base_addrs')) if type(x23 := m.flat_state_base_addrs) is _nd and x23.dtype is _U64 and x23.ndim == 1 else _pack(x23, _U64, side, 'RegisterInfo.flat_state_base_addrs')),
+        ((x24.tobytes() if x24.nbytes < _SIDE_MIN else _big(x24, _U64, side, 'RegisterInfo.flat_state_region_lens')) if type(x24 := m.flat_state_region_lens) is _nd and x24.dtype is _U64 and x24.ndim == 1 else _pack(x24, _U64, side, 'RegisterInfo.flat_state_region_lens')),
+        ((x25.tobytes() if x25.nbytes < _SIDE_MIN else _big(x25, _U64, side, 'RegisterInfo.flat_state_bytes_per_slot')) if type(x25 := m.flat_state_bytes_per_slot) is _nd and x25.dtype is _U64 and x25.ndim == 1 else _pack(x25, _U64, side, 'RegisterInfo.flat_state_bytes_per_slot')),
+        ((x26.tobytes() if x26.nbytes < _SIDE_MIN else _big(x26, _U64, side, 'RegisterInfo.flat_state_shard_axis_sizes')) if type(x26 := m.flat_state_shard_axis_sizes) is _nd and x26.dtype is _U64 and x26.ndim == 1 else _pack(x26, _U64, side, 'RegisterInfo.flat_state_shard_axis_sizes')),
     ]
 
 
@@ -613,9 +613,9 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
     return [
         m.room,
         m.sender,
-        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
+        ((x2.tobytes() if x2.nbytes < _SIDE_MIN else _big(x2, _I32, side, 'TransferRequest.dst_kv_indices')) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and x2.ndim == 1 else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
         m.dst_aux_index,
-        ((b4 if side is None or b4.nbytes < _SIDE_MIN else _attach(side, b4)) if type(x4 := m.flat_state_indices) is _nd and x4.dtype is _I32 and (b4 := x4.data).ndim == 1 and b4.c_contiguous else _pack(x4, _I32, side, 'TransferRequest.flat_state_indices')),
+        ((x4.tobytes() if x4.nbytes < _SIDE_MIN else _big(x4, _I32, side, 'TransferRequest.flat_state_indices')) if type(x4 := m.flat_state_indices) is _nd and x4.dtype is _I32 and x4.ndim == 1 else _pack(x4, _I32, side, 'TransferRequest.flat_state_indices')),
         m.required_dst_info_num,
         m.decode_prefix_len,
         m.is_dummy,

@@ -37,7 +37,7 @@ VERSION = (1, 1)
 PROTOCOL_ID = 1
 # module-level aliases: generated codecs call these per array, without attribute lookups
 _pack = _a.pack
-_attach = _a.attach
+_big = _a.big
 _view = _a.view
 _bail = _a.bail
 _next = next
@@ -140,11 +140,11 @@ class _W_StateComponent(msgspec.Struct, array_like=True, kw_only=True, gc=False)
 def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[Any]:
     return [
         m.type,
-        ((b1 if side is None or b1.nbytes < _SIDE_MIN else _attach(side, b1)) if type(x1 := m.base_addrs) is _nd and x1.dtype is _U64 and (b1 := x1.data).ndim == 1 and b1.c_contiguous else _pack(x1, _U64, side, 'StateComponent.base_addrs')),
-        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.region_lens) is _nd and x2.dtype is _U64 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _U64, side, 'StateComponent.region_lens')),
-        ((b3 if side is None or b3.nbytes < _SIDE_MIN else _attach(side, b3)) if type(x3 := m.bytes_per_slot) is _nd and x3.dtype is _U64 and (b3 := x3.data).ndim == 1 and b3.c_contiguous else _pack(x3, _U64, side, 'StateComponent.bytes_per_slot')),
-        ((b4 if side is None or b4.nbytes < _SIDE_MIN else _attach(side, b4)) if type(x4 := m.shard_axis_sizes) is _nd and x4.dtype is _U64 and (b4 := x4.data).ndim == 1 and b4.c_contiguous else _pack(x4, _U64, side, 'StateComponent.shard_axis_sizes')),
-        [((b5_0 if side is None or b5_0.nbytes < _SIDE_MIN else _attach(side, b5_0)) if type(e0) is _nd and e0.dtype is _U64 and (b5_0 := e0.data).ndim == 1 and b5_0.c_contiguous else _pack(e0, _U64, side, 'StateComponent.sub_blocks[]')) for e0 in m.sub_blocks],
+        ((x1.tobytes() if x1.nbytes < _SIDE_MIN else _big(x1, _U64, side, 'StateComponent.base_addrs')) if type(x1 := m.base_addrs) is _nd and x1.dtype is _U64 and x1.ndim == 1 else _pack(x1, _U64, side, 'StateComponent.base_addrs')),
+        ((x2.tobytes() if x2.nbytes < _SIDE_MIN else _big(x2, _U64, side, 'StateComponent.region_lens')) if type(x2 := m.region_lens) is _nd and x2.dtype is _U64 and x2.ndim == 1 else _pack(x2, _U64, side, 'StateComponent.region_lens')),
+        ((x3.tobytes() if x3.nbytes < _SIDE_MIN else _big(x3, _U64, side, 'StateComponent.bytes_per_slot')) if type(x3 := m.bytes_per_slot) is _nd and x3.dtype is _U64 and x3.ndim == 1 else _pack(x3, _U64, side, 'StateComponent.bytes_per_slot')),
+        ((x4.tobytes() if x4.nbytes < _SIDE_MIN else _big(x4, _U64, side, 'StateComponent.shard_axis_sizes')) if type(x4 := m.shard_axis_sizes) is _nd and x4.dtype is _U64 and x4.ndim == 1 else _pack(x4, _U64, side, 'StateComponent.shard_axis_sizes')),
+        [((e0.tobytes() if e0.nbytes < _SIDE_MIN else _big(e0, _U64, side, 'StateComponent.sub_blocks[]')) if type(e0) is _nd and e0.dtype is _U64 and e0.ndim == 1 else _pack(e0, _U64, side, 'StateComponent.sub_blocks[]')) for e0 in m.sub_blocks],
         m.mem_descs,
     ]
 
@@ -292,10 +292,10 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         _enc_ParallelGeometry(m.geometry, side),
         m.first_layer,
         m.num_layers,
-        ((b7 if side is None or b7.nbytes < _SIDE_MIN else _attach(side, b7)) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and (b7 := x7.data).ndim == 1 and b7.c_contiguous else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
-        ((b8 if side is None or b8.nbytes < _SIDE_MIN else _attach(side, b8)) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and (b8 := x8.data).ndim == 1 and b8.c_contiguous else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
-        ((b9 if side is None or b9.nbytes < _SIDE_MIN else _attach(side, b9)) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and (b9 := x9.data).ndim == 1 and b9.c_contiguous else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
-        ((b10 if side is None or b10.nbytes < _SIDE_MIN else _attach(side, b10)) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and (b10 := x10.data).ndim == 1 and b10.c_contiguous else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
+        ((x7.tobytes() if x7.nbytes < _SIDE_MIN else _big(x7, _U64, side, 'RegisterInfo.k_base_addrs')) if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and x7.ndim == 1 else _pack(x7, _U64, side, 'RegisterInfo.k_base_addrs')),
+        ((x8.tobytes() if x8.nbytes < _SIDE_MIN else _big(x8, _U64, side, 'RegisterInfo.v_base_addrs')) if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and x8.ndim == 1 else _pack(x8, _U64, side, 'RegisterInfo.v_base_addrs')),
+        ((x9.tobytes() if x9.nbytes < _SIDE_MIN else _big(x9, _U64, side, 'RegisterInfo.bytes_per_page')) if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and x9.ndim == 1 else _pack(x9, _U64, side, 'RegisterInfo.bytes_per_page')),
+        ((x10.tobytes() if x10.nbytes < _SIDE_MIN else _big(x10, _U64, side, 'RegisterInfo.region_lens')) if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and x10.ndim == 1 else _pack(x10, _U64, side, 'RegisterInfo.region_lens')),
         m.num_pages,
         m.page_size,
         m.kv_layout,
@@ -303,9 +303,9 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         m.kv_heads_total,
         m.bytes_per_head,
         m.is_mla,
-        ((b18 if side is None or b18.nbytes < _SIDE_MIN else _attach(side, b18)) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and (b18 := x18.data).ndim == 1 and b18.c_contiguous else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
-        ((b19 if side is None or b19.nbytes < _SIDE_MIN else _attach(side, b19)) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and (b19 := x19.data).ndim == 1 and b19.c_contiguous else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
-        ((b20 if side is None or b20.nbytes < _SIDE_MIN else _attach(side, b20)) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and (b20 := x20.data).ndim == 1 and b20.c_contiguous else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
+        ((x18.tobytes() if x18.nbytes < _SIDE_MIN else _big(x18, _U64, side, 'RegisterInfo.aux_base_addrs')) if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and x18.ndim == 1 else _pack(x18, _U64, side, 'RegisterInfo.aux_base_addrs')),
+        ((x19.tobytes() if x19.nbytes < _SIDE_MIN else _big(x19, _U64, side, 'RegisterInfo.aux_lens')) if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and x19.ndim == 1 else _pack(x19, _U64, side, 'RegisterInfo.aux_lens')),
+        ((x20.tobytes() if x20.nbytes < _SIDE_MIN else _big(x20, _U64, side, 'RegisterInfo.aux_item_lens')) if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and x20.ndim == 1 else _pack(x20, _U64, side, 'RegisterInfo.aux_item_lens')),
         m.kv_mem_descs,
         0,  # 22: flat_state_type: removed in 1.1; older readers get the old default
         b"",  # 23: flat_state_base_addrs: removed in 1.1; older readers get the old default
@@ -424,13 +424,13 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
     return [
         m.room,
         m.sender,
-        ((b2 if side is None or b2.nbytes < _SIDE_MIN else _attach(side, b2)) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and (b2 := x2.data).ndim == 1 and b2.c_contiguous else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
+        ((x2.tobytes() if x2.nbytes < _SIDE_MIN else _big(x2, _I32, side, 'TransferRequest.dst_kv_indices')) if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and x2.ndim == 1 else _pack(x2, _I32, side, 'TransferRequest.dst_kv_indices')),
         m.dst_aux_index,
         b"",  # 4: flat_state_indices: removed in 1.1; older readers get the old default
         m.required_dst_info_num,
         m.decode_prefix_len,
         m.is_dummy,
-        [(None if e0 is None else ((b8_0_1 if side is None or b8_0_1.nbytes < _SIDE_MIN else _attach(side, b8_0_1)) if type(e0) is _nd and e0.dtype is _I32 and (b8_0_1 := e0.data).ndim == 1 and b8_0_1.c_contiguous else _pack(e0, _I32, side, 'TransferRequest.state_indices[]'))) for e0 in m.state_indices],
+        [(None if e0 is None else ((e0.tobytes() if e0.nbytes < _SIDE_MIN else _big(e0, _I32, side, 'TransferRequest.state_indices[]')) if type(e0) is _nd and e0.dtype is _I32 and e0.ndim == 1 else _pack(e0, _I32, side, 'TransferRequest.state_indices[]'))) for e0 in m.state_indices],
     ]
 
 

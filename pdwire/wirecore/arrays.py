@@ -39,6 +39,7 @@ class Bail(Exception):
 def bail() -> Any:
     raise Bail
 
+
 _EMPTY: dict[np.dtype[Any], npt.NDArray[Any]] = {}
 
 
@@ -105,8 +106,13 @@ def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: st
     return _pack_slow(value, dtype, side, where)
 
 
-def attach(side: SideFrames, buf: memoryview) -> int:
-    """Append a contiguous array's buffer as a side frame; its frame index."""
+def big(arr: npt.NDArray[Any], dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
+    """A large 1-D array of ``dtype``: its own frame, or inline when ``side`` is None."""
+    buf = arr.data
+    if not buf.c_contiguous:
+        return _pack_slow(arr, dtype, side, where)
+    if side is None:
+        return buf
     side.append(buf.cast("B"))  # its own frame, never copied; byte-formatted for len()
     return len(side) + 1  # frames 0 and 1 are the header and the body
 

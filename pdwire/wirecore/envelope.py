@@ -87,8 +87,18 @@ def codec(
     headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
     lone = Cursor((b"", b""), name)
     return MessageCodec(
-        name, type_id, protocol_id, version, cls, to_wire, decoder, from_wire,
-        fast_from_wire, slots, headers, lone
+        name,
+        type_id,
+        protocol_id,
+        version,
+        cls,
+        to_wire,
+        decoder,
+        from_wire,
+        fast_from_wire,
+        slots,
+        headers,
+        lone,
     )
 
 
@@ -268,13 +278,7 @@ class Registry:
         return encode_bytes_with(*self.convert(msg, version))
 
     def _fast(self, frames: Frames) -> tuple[Any, Version] | None:
-        """The common case in one Python frame: a ``bytes`` header this build wrote itself.
-
-        One dict lookup on the header bytes checks magic, protocol, version, type and
-        side-frame count at once. Any failure returns None and the caller takes the
-        checked path, which repeats the work and raises the classified error (decoding
-        has no side effects, so repeating it is safe).
-        """
+        """The common case: a ``bytes`` header this build writes itself (see :meth:`decode`)."""
         n = len(frames)
         if n < 2:
             return None
@@ -296,8 +300,31 @@ class Registry:
         return (msg if step is None else step(msg)), entry[3]
 
     def decode(self, frames: Frames) -> Any:
-        fast = self._fast(frames)
-        return fast[0] if fast is not None else self._checked(frames)[0]
+        """Decode multipart frames into the newest model (older minors are upgraded).
+
+        The common case runs in this one frame: a ``bytes`` header this build writes itself
+        (one dict lookup on its bytes checks magic, protocol, version, type and side-frame
+        count at once) and the generated decoder without checks of its own. Any surprise
+        falls through to the checked path, which repeats the work and raises the classified
+        error; decoding has no side effects, so repeating it is safe.
+        """
+        n = len(frames)
+        if n >= 2:
+            header = frames[0]
+            if type(header) is bytes:
+                entry = self.by_header.get(header)
+                if entry is not None and n == entry[2]:
+                    mc = entry[0]
+                    try:
+                        k = _count(2)
+                        msg = mc.fast_from_wire(mc.decoder.decode(frames[1]), frames, k)
+                        ok = next(k) == n  # else a side frame no field referenced
+                    except Exception:
+                        ok = False
+                    if ok:
+                        step = entry[1]
+                        return msg if step is None else step(msg)
+        return self._checked(frames)[0]
 
     def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
         """Decode to the newest model; also return the version the sender wrote."""
