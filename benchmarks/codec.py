@@ -4,9 +4,10 @@
 
 Messages: RegisterInfo (64 layers, 3 state components) and TransferRequest (2048 KV pages;
 components mamba [1 slot], swa [64 pages], dsa [2048 pages]). The baseline encodes the same
-content the way SGLang writes it today: positional ZMQ frames, ASCII integers, pointer
-lists packed with ``struct.pack``, per-component lists packed with ``struct.pack`` into
-count + lengths + payload and unpacked back to lists. Each cell is the median of
+content (every field pdwire's message carries; checked in the run) the way SGLang writes it
+today: positional ZMQ frames, ASCII integers, pointer lists packed with ``struct.pack``,
+per-component lists (and lists of buffers) packed with ``struct.pack`` into count + lengths
++ payload and unpacked back to lists. Each cell is the median of
 ``--repeat`` timing runs (each the mean over many calls), measured in the same process.
 """
 
@@ -34,6 +35,18 @@ def pack_list_of_buffers(bufs: list[bytes]) -> bytes:
     return struct.pack(f"<{len(bufs) + 1}I", len(bufs), *(len(b) for b in bufs)) + b"".join(bufs)
 
 
+def unpack_list_of_buffers(buf: bytes) -> list[bytes]:
+    if not buf:
+        return []
+    (n,) = struct.unpack_from("<I", buf, 0)
+    lens = struct.unpack_from(f"<{n}I", buf, 4)
+    pos, out = 4 + 4 * n, []
+    for ln in lens:
+        out.append(buf[pos : pos + ln])
+        pos += ln
+    return out
+
+
 def pack_int_lists(lists: list[list[int]], fmt: str) -> bytes:
     return pack_list_of_buffers([struct.pack(f"<{len(a)}{fmt}", *a) for a in lists])
 
@@ -54,17 +67,24 @@ def native_u64(ptrs: list[int]) -> bytes:
     return b"".join(struct.pack("Q", p) for p in ptrs)
 
 
-def baseline_request_encode(room: int, kv: np.ndarray, aux: int, state: list[list[int]]) -> list[bytes]:
+def unpack_u64(buf: bytes) -> list[int]:
+    return list(struct.unpack(f"{len(buf) // 8}Q", buf))
+
+
+def ascii_int(v: int) -> bytes:
+    return str(v).encode("ascii")
+
+
+def baseline_request_encode(req: dict[str, Any]) -> list[bytes]:
     return [
-        str(room).encode("ascii"),
-        b"10.0.0.2",
-        str(17001).encode("ascii"),
-        b"10.0.0.2:17001",
-        kv.astype(np.int32).tobytes(),
-        str(aux).encode("ascii"),
-        pack_int_lists(state, "i"),
-        str(1).encode("ascii"),
-        str(0).encode("ascii"),
+        ascii_int(req["room"]),
+        req["sender"].encode("ascii"),
+        req["kv"].astype(np.int32).tobytes(),
+        ascii_int(req["aux"]),
+        pack_int_lists(req["state"], "i"),
+        ascii_int(req["required_dst_info_num"]),
+        ascii_int(req["decode_prefix_len"]),
+        ascii_int(int(req["is_dummy"])),
     ]
 
 
@@ -72,49 +92,66 @@ def baseline_request_decode(msg: list[bytes]) -> tuple[Any, ...]:
     return (
         int(msg[0].decode("ascii")),
         msg[1].decode("ascii"),
-        int(msg[2].decode("ascii")),
-        msg[3].decode("ascii"),
-        np.frombuffer(msg[4], dtype=np.int32),
+        np.frombuffer(msg[2], dtype=np.int32),
+        int(msg[3].decode("ascii")),
+        unpack_int_lists(msg[4], "i"),
         int(msg[5].decode("ascii")),
-        unpack_int_lists(msg[6], "i"),
-        int(msg[7].decode("ascii")),
-        int(msg[8].decode("ascii")),
+        int(msg[6].decode("ascii")),
+        bool(int(msg[7].decode("ascii"))),
     )
+
+
+_GEOMETRY = ("tp_size", "tp_rank", "pp_size", "pp_rank", "cp_size", "cp_rank", "dp_size", "dp_rank")
+_REG_INTS = ("num_pages", "page_size", "kv_layout", "kv_heads_per_rank", "kv_heads_total", "bytes_per_head")
+_REG_PTRS = ("k_ptrs", "v_ptrs", "bytes_per_page", "region_lens", "aux_ptrs", "aux_lens", "aux_item_lens")
+_STATE_LISTS = ("state_ptrs", "state_region_lens", "state_item_lens", "state_dims")
 
 
 def baseline_register_encode(r: dict[str, Any]) -> list[bytes]:
+    """Every field pdwire's RegisterInfo carries, one positional frame each, as SGLang writes them."""
     return [
-        b"None",
-        b"10.0.0.2",
-        str(17001).encode("ascii"),
-        b"10.0.0.2:17001",
-        native_u64(r["kv_ptrs"]),
-        native_u64(r["aux_ptrs"]),
-        pack_int_lists(r["state_ptrs"], "Q"),
-        str(3).encode("ascii"),
-        str(8).encode("ascii"),
-        str(r["kv_item_len"]).encode("ascii"),
-        pack_int_lists(r["state_item_lens"], "I"),
-        pack_int_lists(r["state_dims"], "I"),
+        r["endpoint"].encode("ascii"),
+        r["engine_id"].encode("ascii"),
+        r["agent_name"].encode("ascii"),
         r["agent_metadata"],
+        *(ascii_int(r["geometry"][g]) for g in _GEOMETRY),
+        ascii_int(r["first_layer"]),
+        ascii_int(r["num_layers"]),
+        *(native_u64(r[k]) for k in _REG_PTRS),
+        *(ascii_int(r[k]) for k in _REG_INTS),
+        ascii_int(int(r["is_mla"])),
+        pack_list_of_buffers(r["kv_mem_descs"]),
+        ",".join(str(t) for t in r["state_types"]).encode("ascii"),
+        *(pack_int_lists(r[k], "Q") for k in _STATE_LISTS),
+        pack_list_of_buffers([pack_int_lists(per_comp, "Q") for per_comp in r["state_sub_blocks"]]),
+        pack_list_of_buffers([pack_list_of_buffers(per_comp) for per_comp in r["state_mem_descs"]]),
     ]
 
 
-def baseline_register_decode(msg: list[bytes]) -> tuple[Any, ...]:
-    return (
-        msg[1].decode("ascii"),
-        int(msg[2].decode("ascii")),
-        msg[3].decode("ascii"),
-        list(struct.unpack(f"{len(msg[4]) // 8}Q", msg[4])),
-        list(struct.unpack(f"{len(msg[5]) // 8}Q", msg[5])),
-        unpack_int_lists(msg[6], "Q"),
-        int(msg[7].decode("ascii")),
-        int(msg[8].decode("ascii")),
-        int(msg[9].decode("ascii")),
-        unpack_int_lists(msg[10], "I"),
-        unpack_int_lists(msg[11], "I"),
-        msg[12],
-    )
+def baseline_register_decode(msg: list[bytes]) -> dict[str, Any]:
+    it = iter(msg)
+    out: dict[str, Any] = {
+        "endpoint": next(it).decode("ascii"),
+        "engine_id": next(it).decode("ascii"),
+        "agent_name": next(it).decode("ascii"),
+        "agent_metadata": next(it),
+    }
+    out["geometry"] = {g: int(next(it).decode("ascii")) for g in _GEOMETRY}
+    out["first_layer"] = int(next(it).decode("ascii"))
+    out["num_layers"] = int(next(it).decode("ascii"))
+    for k in _REG_PTRS:
+        out[k] = unpack_u64(next(it))
+    for k in _REG_INTS:
+        out[k] = int(next(it).decode("ascii"))
+    out["is_mla"] = bool(int(next(it).decode("ascii")))
+    out["kv_mem_descs"] = unpack_list_of_buffers(next(it))
+    types = next(it).decode("ascii")
+    out["state_types"] = [int(t) for t in types.split(",")] if types else []
+    for k in _STATE_LISTS:
+        out[k] = unpack_int_lists(next(it), "Q")
+    out["state_sub_blocks"] = [unpack_int_lists(b, "Q") for b in unpack_list_of_buffers(next(it))]
+    out["state_mem_descs"] = [unpack_list_of_buffers(b) for b in unpack_list_of_buffers(next(it))]
+    return out
 
 
 # ---------------------------------------------------------------------------- content
@@ -176,19 +213,51 @@ def register_content() -> tuple[w.RegisterInfo, dict[str, Any]]:
         aux_item_lens=np.array([64], dtype=u64),
         state_components=comps,
     )
-    raw = {
-        "kv_ptrs": [int(x) for x in k] + [int(x) for x in v],
-        "aux_ptrs": [BASE >> 4],
-        "state_ptrs": [[int(x) for x in c.base_addrs] for c in comps],
-        "kv_item_len": 8192,
-        "state_item_lens": [[int(x) for x in c.bytes_per_slot] for c in comps],
-        "state_dims": [[int(x) for x in c.shard_axis_sizes] for c in comps],
-        "agent_metadata": meta,
-    }
+    raw = register_raw(msg)
     return msg, raw
 
 
-def request_content() -> tuple[w.TransferRequest, tuple[Any, ...]]:
+def _ints(a: Any) -> list[int]:
+    return [int(x) for x in a]
+
+
+def register_raw(m: w.RegisterInfo) -> dict[str, Any]:
+    """The same content as ``m`` in the Python lists and ints today's senders hold."""
+    comps = m.state_components
+    return {
+        "endpoint": m.endpoint,
+        "engine_id": m.engine_id,
+        "agent_name": m.agent_name,
+        "agent_metadata": m.agent_metadata,
+        "geometry": {g: getattr(m.geometry, g) for g in _GEOMETRY},
+        "first_layer": m.first_layer,
+        "num_layers": m.num_layers,
+        "k_ptrs": _ints(m.k_base_addrs),
+        "v_ptrs": _ints(m.v_base_addrs),
+        "bytes_per_page": _ints(m.bytes_per_page),
+        "region_lens": _ints(m.region_lens),
+        "aux_ptrs": _ints(m.aux_base_addrs),
+        "aux_lens": _ints(m.aux_lens),
+        "aux_item_lens": _ints(m.aux_item_lens),
+        "num_pages": m.num_pages,
+        "page_size": m.page_size,
+        "kv_layout": int(m.kv_layout),
+        "kv_heads_per_rank": m.kv_heads_per_rank,
+        "kv_heads_total": m.kv_heads_total,
+        "bytes_per_head": m.bytes_per_head,
+        "is_mla": m.is_mla,
+        "kv_mem_descs": list(m.kv_mem_descs),
+        "state_types": [int(c.type) for c in comps],
+        "state_ptrs": [_ints(c.base_addrs) for c in comps],
+        "state_region_lens": [_ints(c.region_lens) for c in comps],
+        "state_item_lens": [_ints(c.bytes_per_slot) for c in comps],
+        "state_dims": [_ints(c.shard_axis_sizes) for c in comps],
+        "state_sub_blocks": [[_ints(b) for b in c.sub_blocks] for c in comps],
+        "state_mem_descs": [list(c.mem_descs) for c in comps],
+    }
+
+
+def request_content() -> tuple[w.TransferRequest, dict[str, Any]]:
     rng = np.random.default_rng(0)
     kv = rng.permutation(1 << 16)[:2048].astype(np.int32)
     mamba = np.array([17], dtype=np.int32)
@@ -201,8 +270,17 @@ def request_content() -> tuple[w.TransferRequest, tuple[Any, ...]]:
         dst_aux_index=5,
         state_indices=[mamba, swa, dsa],
     )
-    lists = [mamba.tolist(), swa.tolist(), dsa.tolist()]
-    return msg, ((1 << 63) + 12345, kv, 5, lists)
+    raw = {
+        "room": msg.room,
+        "sender": msg.sender,
+        "kv": kv,
+        "aux": msg.dst_aux_index,
+        "state": [mamba.tolist(), swa.tolist(), dsa.tolist()],
+        "required_dst_info_num": msg.required_dst_info_num,
+        "decode_prefix_len": msg.decode_prefix_len,
+        "is_dummy": msg.is_dummy,
+    }
+    return msg, raw
 
 
 # ---------------------------------------------------------------------------- timing
@@ -242,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         ("RegisterInfo", lambda: w.encode(reg), w.decode, "pdwire"),
         ("RegisterInfo", lambda: baseline_register_encode(reg_raw), baseline_register_decode, "baseline"),
         ("TransferRequest", lambda: w.encode(req), w.decode, "pdwire"),
-        ("TransferRequest", lambda: baseline_request_encode(*req_raw), baseline_request_decode, "baseline"),
+        ("TransferRequest", lambda: baseline_request_encode(req_raw), baseline_request_decode, "baseline"),
     ]
     results: dict[tuple[str, str], tuple[float, float, int, int]] = {}
     for name, enc, dec, codec in cases:
@@ -252,6 +330,19 @@ def main(argv: list[str] | None = None) -> int:
         results[(name, codec)] = (e, d, sum(len(f) for f in received), len(received))
 
     assert w.decode(frames_bytes(w.encode(req))) == req and w.decode(frames_bytes(w.encode(reg))) == reg
+    # the baseline carries the same content: what it decodes is what pdwire's message holds
+    assert baseline_register_decode(frames_bytes(baseline_register_encode(reg_raw))) == reg_raw
+    got = baseline_request_decode(frames_bytes(baseline_request_encode(req_raw)))
+    assert np.array_equal(got[2], req.dst_kv_indices)
+    assert got[:2] + got[3:] == (
+        req.room,
+        req.sender,
+        req.dst_aux_index,
+        req_raw["state"],
+        req.required_dst_info_num,
+        req.decode_prefix_len,
+        req.is_dummy,
+    )
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"msgspec {msgspec.__version__}, numpy {np.__version__}; median of {args.repeat} runs; "
