@@ -188,15 +188,16 @@ def fast_dec_expr(t: TypeRef, var: str, tag: str = "", depth: int = 0) -> str:
     """The fast decoder: no per-array checks of its own.
 
     Inline bytes become ``np.frombuffer`` views (which refuse a length that is not a whole
-    number of items); a side-frame index must be the next one of the counter ``k`` (so the
-    references are exactly 2, 3, ... in order) and ``f[index]`` must exist. Anything else
-    raises, and the caller then takes the checked decoder for the classified error.
+    number of items), empty ones the shared read-only empty array; a side-frame index must
+    be the next one of the counter ``k`` (so the references are exactly 2, 3, ... in order)
+    and ``f[index]`` must exist. Anything else raises, and the caller then takes the
+    checked decoder for the classified error.
     """
     if t.kind == "array":
         dt = f"_{_DT[t.name]}"
         first, x = _bind(var, f"x{tag}")
         return (
-            f"(_fb({x}, {dt}) if type({first}) is bytes"
+            f"((_fb({x}, {dt}) if {x} else _E{dt}) if type({first}) is bytes"
             f" else _fb(f[{x}], {dt}) if {x} == _next(k) else _bail())"
         )
     if t.kind == "message":

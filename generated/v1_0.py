@@ -40,6 +40,9 @@ _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
 _I32 = _a.I32
 _U32 = _a.U32
 _U64 = _a.U64
+_E_I32 = _a.empty(_I32)
+_E_U32 = _a.empty(_U32)
+_E_U64 = _a.empty(_U64)
 
 
 class Role(enum.IntEnum):
@@ -543,10 +546,10 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> R
         geometry=_fdec_ParallelGeometry(w.geometry, f, k),
         first_layer=w.first_layer,
         num_layers=w.num_layers,
-        k_base_addrs=(_fb(x7, _U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
-        v_base_addrs=(_fb(x8, _U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
-        bytes_per_page=(_fb(x9, _U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
-        region_lens=(_fb(x10, _U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
+        k_base_addrs=((_fb(x7, _U64) if x7 else _E_U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
+        v_base_addrs=((_fb(x8, _U64) if x8 else _E_U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
+        bytes_per_page=((_fb(x9, _U64) if x9 else _E_U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
+        region_lens=((_fb(x10, _U64) if x10 else _E_U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
         num_pages=w.num_pages,
         page_size=w.page_size,
         kv_layout=w.kv_layout,
@@ -554,15 +557,15 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> R
         kv_heads_total=w.kv_heads_total,
         bytes_per_head=w.bytes_per_head,
         is_mla=w.is_mla,
-        aux_base_addrs=(_fb(x18, _U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
-        aux_lens=(_fb(x19, _U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
-        aux_item_lens=(_fb(x20, _U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
+        aux_base_addrs=((_fb(x18, _U64) if x18 else _E_U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
+        aux_lens=((_fb(x19, _U64) if x19 else _E_U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
+        aux_item_lens=((_fb(x20, _U64) if x20 else _E_U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
         kv_mem_descs=w.kv_mem_descs,
         flat_state_type=w.flat_state_type,
-        flat_state_base_addrs=(_fb(x23, _U64) if type(x23 := w.flat_state_base_addrs) is bytes else _fb(f[x23], _U64) if x23 == _next(k) else _bail()),
-        flat_state_region_lens=(_fb(x24, _U64) if type(x24 := w.flat_state_region_lens) is bytes else _fb(f[x24], _U64) if x24 == _next(k) else _bail()),
-        flat_state_bytes_per_slot=(_fb(x25, _U64) if type(x25 := w.flat_state_bytes_per_slot) is bytes else _fb(f[x25], _U64) if x25 == _next(k) else _bail()),
-        flat_state_shard_axis_sizes=(_fb(x26, _U64) if type(x26 := w.flat_state_shard_axis_sizes) is bytes else _fb(f[x26], _U64) if x26 == _next(k) else _bail()),
+        flat_state_base_addrs=((_fb(x23, _U64) if x23 else _E_U64) if type(x23 := w.flat_state_base_addrs) is bytes else _fb(f[x23], _U64) if x23 == _next(k) else _bail()),
+        flat_state_region_lens=((_fb(x24, _U64) if x24 else _E_U64) if type(x24 := w.flat_state_region_lens) is bytes else _fb(f[x24], _U64) if x24 == _next(k) else _bail()),
+        flat_state_bytes_per_slot=((_fb(x25, _U64) if x25 else _E_U64) if type(x25 := w.flat_state_bytes_per_slot) is bytes else _fb(f[x25], _U64) if x25 == _next(k) else _bail()),
+        flat_state_shard_axis_sizes=((_fb(x26, _U64) if x26 else _E_U64) if type(x26 := w.flat_state_shard_axis_sizes) is bytes else _fb(f[x26], _U64) if x26 == _next(k) else _bail()),
     )
 
 
@@ -639,9 +642,9 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter
     return TransferRequest(
         room=w.room,
         sender=w.sender,
-        dst_kv_indices=(_fb(x2, _I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
+        dst_kv_indices=((_fb(x2, _I32) if x2 else _E_I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
         dst_aux_index=w.dst_aux_index,
-        flat_state_indices=(_fb(x4, _I32) if type(x4 := w.flat_state_indices) is bytes else _fb(f[x4], _I32) if x4 == _next(k) else _bail()),
+        flat_state_indices=((_fb(x4, _I32) if x4 else _E_I32) if type(x4 := w.flat_state_indices) is bytes else _fb(f[x4], _I32) if x4 == _next(k) else _bail()),
         required_dst_info_num=w.required_dst_info_num,
         decode_prefix_len=w.decode_prefix_len,
         is_dummy=w.is_dummy,

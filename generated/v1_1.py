@@ -47,6 +47,9 @@ _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
 _I32 = _a.I32
 _U32 = _a.U32
 _U64 = _a.U64
+_E_I32 = _a.empty(_I32)
+_E_U32 = _a.empty(_U32)
+_E_U64 = _a.empty(_U64)
 
 
 Role = _prev.Role
@@ -164,11 +167,11 @@ def _dec_StateComponent(w: _W_StateComponent, c: _a.Cursor) -> StateComponent:
 def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, k: _a.SideCounter) -> StateComponent:
     return StateComponent(
         type=w.type,
-        base_addrs=(_fb(x1, _U64) if type(x1 := w.base_addrs) is bytes else _fb(f[x1], _U64) if x1 == _next(k) else _bail()),
-        region_lens=(_fb(x2, _U64) if type(x2 := w.region_lens) is bytes else _fb(f[x2], _U64) if x2 == _next(k) else _bail()),
-        bytes_per_slot=(_fb(x3, _U64) if type(x3 := w.bytes_per_slot) is bytes else _fb(f[x3], _U64) if x3 == _next(k) else _bail()),
-        shard_axis_sizes=(_fb(x4, _U64) if type(x4 := w.shard_axis_sizes) is bytes else _fb(f[x4], _U64) if x4 == _next(k) else _bail()),
-        sub_blocks=[(_fb(e0, _U64) if type(e0) is bytes else _fb(f[e0], _U64) if e0 == _next(k) else _bail()) for e0 in w.sub_blocks],
+        base_addrs=((_fb(x1, _U64) if x1 else _E_U64) if type(x1 := w.base_addrs) is bytes else _fb(f[x1], _U64) if x1 == _next(k) else _bail()),
+        region_lens=((_fb(x2, _U64) if x2 else _E_U64) if type(x2 := w.region_lens) is bytes else _fb(f[x2], _U64) if x2 == _next(k) else _bail()),
+        bytes_per_slot=((_fb(x3, _U64) if x3 else _E_U64) if type(x3 := w.bytes_per_slot) is bytes else _fb(f[x3], _U64) if x3 == _next(k) else _bail()),
+        shard_axis_sizes=((_fb(x4, _U64) if x4 else _E_U64) if type(x4 := w.shard_axis_sizes) is bytes else _fb(f[x4], _U64) if x4 == _next(k) else _bail()),
+        sub_blocks=[((_fb(e0, _U64) if e0 else _E_U64) if type(e0) is bytes else _fb(f[e0], _U64) if e0 == _next(k) else _bail()) for e0 in w.sub_blocks],
         mem_descs=w.mem_descs,
     )
 
@@ -353,10 +356,10 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> R
         geometry=_fdec_ParallelGeometry(w.geometry, f, k),
         first_layer=w.first_layer,
         num_layers=w.num_layers,
-        k_base_addrs=(_fb(x7, _U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
-        v_base_addrs=(_fb(x8, _U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
-        bytes_per_page=(_fb(x9, _U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
-        region_lens=(_fb(x10, _U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
+        k_base_addrs=((_fb(x7, _U64) if x7 else _E_U64) if type(x7 := w.k_base_addrs) is bytes else _fb(f[x7], _U64) if x7 == _next(k) else _bail()),
+        v_base_addrs=((_fb(x8, _U64) if x8 else _E_U64) if type(x8 := w.v_base_addrs) is bytes else _fb(f[x8], _U64) if x8 == _next(k) else _bail()),
+        bytes_per_page=((_fb(x9, _U64) if x9 else _E_U64) if type(x9 := w.bytes_per_page) is bytes else _fb(f[x9], _U64) if x9 == _next(k) else _bail()),
+        region_lens=((_fb(x10, _U64) if x10 else _E_U64) if type(x10 := w.region_lens) is bytes else _fb(f[x10], _U64) if x10 == _next(k) else _bail()),
         num_pages=w.num_pages,
         page_size=w.page_size,
         kv_layout=w.kv_layout,
@@ -364,9 +367,9 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> R
         kv_heads_total=w.kv_heads_total,
         bytes_per_head=w.bytes_per_head,
         is_mla=w.is_mla,
-        aux_base_addrs=(_fb(x18, _U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
-        aux_lens=(_fb(x19, _U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
-        aux_item_lens=(_fb(x20, _U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
+        aux_base_addrs=((_fb(x18, _U64) if x18 else _E_U64) if type(x18 := w.aux_base_addrs) is bytes else _fb(f[x18], _U64) if x18 == _next(k) else _bail()),
+        aux_lens=((_fb(x19, _U64) if x19 else _E_U64) if type(x19 := w.aux_lens) is bytes else _fb(f[x19], _U64) if x19 == _next(k) else _bail()),
+        aux_item_lens=((_fb(x20, _U64) if x20 else _E_U64) if type(x20 := w.aux_item_lens) is bytes else _fb(f[x20], _U64) if x20 == _next(k) else _bail()),
         kv_mem_descs=w.kv_mem_descs,
         state_components=[_fdec_StateComponent(e0, f, k) for e0 in w.state_components],
     )
@@ -451,12 +454,12 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter
     return TransferRequest(
         room=w.room,
         sender=w.sender,
-        dst_kv_indices=(_fb(x2, _I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
+        dst_kv_indices=((_fb(x2, _I32) if x2 else _E_I32) if type(x2 := w.dst_kv_indices) is bytes else _fb(f[x2], _I32) if x2 == _next(k) else _bail()),
         dst_aux_index=w.dst_aux_index,
         required_dst_info_num=w.required_dst_info_num,
         decode_prefix_len=w.decode_prefix_len,
         is_dummy=w.is_dummy,
-        state_indices=[(None if e0 is None else (_fb(e0, _I32) if type(e0) is bytes else _fb(f[e0], _I32) if e0 == _next(k) else _bail())) for e0 in w.state_indices],
+        state_indices=[(None if e0 is None else ((_fb(e0, _I32) if e0 else _E_I32) if type(e0) is bytes else _fb(f[e0], _I32) if e0 == _next(k) else _bail())) for e0 in w.state_indices],
     )
 
 
