@@ -86,6 +86,17 @@ def _skip_verbs_modules_without_rdma_devices() -> None:
 DEFAULT_PROGRESS_DELAY_US = 1000
 
 
+# UCX engine parameters this backend passes unless the caller's ``ucx_params`` names them.
+# ``num_threads`` makes NIXL use its thread-pool UCX engine: a posted request is split over
+# that many extra worker threads, so ``transfer()`` returns at once instead of copying the
+# whole request inline on the caller's thread (on one host UCX writes with cma, i.e.
+# process_vm_writev, which completes synchronously), and many small descriptors go about
+# 1.7x faster on 2 cores (4 KiB scattered rows; large rows unchanged). Error handling stays
+# "peer" (dead peers must fail transfers); "none" measured no faster here, since puts use
+# cma either way and only the notification path changes.
+DEFAULT_UCX_PARAMS: dict[str, str] = {"num_threads": "2"}
+
+
 @contextlib.contextmanager
 def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
     """Make ``nixl_agent(...)`` built inside this block use ``pthrDelay = delay_us``.
@@ -153,7 +164,7 @@ class NixlBackend(Backend):
         impl = sys.modules.get(nixl_agent.__module__, nixl_api)
         with _progress_delay(impl, progress_delay_us):
             self._agent = nixl_agent(self.agent_name, cfg)
-        self._agent.create_backend("UCX", dict(ucx_params or {}))
+        self._agent.create_backend("UCX", {**DEFAULT_UCX_PARAMS, **(ucx_params or {})})
         self._reg_descs: list[Any] = []
         self._buffers: list[HostBuffer] = []
         self._prepped: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
