@@ -31,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from pdwire.runtime.backends.base import (
     DONE,
     PENDING,
@@ -124,6 +125,25 @@ def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
         bind.nixlAgentConfig = base
 
 
+@dataclass(frozen=True, eq=False)
+class _RegionInfo:
+    """Per-region columns a post needs, built once per region list instead of per post."""
+
+    regions: Sequence[Region]
+    n: int
+    vram: npt.NDArray[np.bool_]
+    dev: npt.NDArray[np.uint64]
+    any_vram: bool
+    any_dev: bool
+
+    @classmethod
+    def of(cls, regions: Sequence[Region]) -> _RegionInfo:
+        n = len(regions)
+        vram = np.fromiter((r.kind is MemoryKind.VRAM for r in regions), dtype=bool, count=n)
+        dev = np.fromiter((r.device_id for r in regions), dtype=np.uint64, count=n)
+        return cls(regions, n, vram, dev, bool(vram.any()), bool(dev.any()))
+
+
 @dataclass
 class _Xfer:
     reqs: list[Any]  # nixl_xfer_handle per batch
@@ -169,6 +189,7 @@ class NixlBackend(Backend):
         self._buffers: list[HostBuffer] = []
         self._prepped: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
         self._orphans: list[Any] = []  # request handles NIXL could not release yet
+        self._local_cols: _RegionInfo | None = None
 
     # ---- memory
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -216,34 +237,61 @@ class NixlBackend(Backend):
             self._agent.remove_remote_agent(peer.agent_name)
 
     # ---- transfers
-    def _group_rows(self, table: DescriptorTable, peer: Peer) -> list[tuple[str, str, np.ndarray[Any, Any]]]:
-        src_kind = np.array([r.kind is MemoryKind.VRAM for r in self.regions], dtype=bool)[table.src_region]
-        dst_kind = np.array([r.kind is MemoryKind.VRAM for r in peer.regions], dtype=bool)[table.dst_region]
-        code = src_kind.astype(np.uint8) * 2 + dst_kind.astype(np.uint8)
-        groups = []
+    def _local_info(self) -> _RegionInfo:
+        # Regions are only ever appended, so the count identifies the list's state.
+        if self._local_cols is None or self._local_cols.n != len(self.regions):
+            self._local_cols = _RegionInfo.of(self.regions)
+        return self._local_cols
+
+    @staticmethod
+    def _peer_info(peer: Peer) -> _RegionInfo:
+        info = peer.engine
+        if not isinstance(info, _RegionInfo) or info.regions is not peer.regions:
+            info = peer.engine = _RegionInfo.of(peer.regions)
+        return info
+
+    def _group_rows(
+        self, table: DescriptorTable, src: _RegionInfo, dst: _RegionInfo
+    ) -> list[tuple[str, str, npt.NDArray[np.intp] | None]]:
+        """(src kind, dst kind, row indices) per memory-kind pair; ``None`` means every row."""
+        if not src.any_vram and not dst.any_vram:
+            return [("DRAM", "DRAM", None)]
+        code = src.vram[table.src_region].astype(np.uint8) * 2 + dst.vram[table.dst_region].astype(np.uint8)
+        groups: list[tuple[str, str, npt.NDArray[np.intp] | None]] = []
         for c in np.unique(code):
             rows = np.flatnonzero(code == c)
             groups.append(("VRAM" if c & 2 else "DRAM", "VRAM" if c & 1 else "DRAM", rows))
         return groups
 
+    @staticmethod
+    def _rows3(
+        addr: npt.NDArray[np.uint64],
+        table: DescriptorTable,
+        region: npt.NDArray[np.uint32],
+        info: _RegionInfo,
+    ) -> npt.NDArray[np.uint64]:
+        out = np.empty((len(addr), 3), dtype=np.uint64)
+        out[:, 0] = addr
+        out[:, 1] = table.length
+        out[:, 2] = info.dev[region] if info.any_dev else 0
+        return out
+
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
         peer = handle.peer
-        src_dev = np.array([r.device_id for r in self.regions], dtype=np.uint64)[table.src_region]
-        dst_dev = np.array([r.device_id for r in peer.regions], dtype=np.uint64)[table.dst_region]
-        src3 = np.stack([table.src_addr, table.length, src_dev], axis=1)
-        dst3 = np.stack([table.dst_addr, table.length, dst_dev], axis=1)
-        plan = [
-            (sk, dk, rows[a:b])
-            for sk, dk, rows in self._group_rows(table, peer)
-            for a, b in batches(len(rows), self.max_descs)
-        ]
+        linfo, pinfo = self._local_info(), self._peer_info(peer)
+        src3 = self._rows3(table.src_addr, table, table.src_region, linfo)
+        dst3 = self._rows3(table.dst_addr, table, table.dst_region, pinfo)
+        plan: list[tuple[str, str, npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = []
+        for sk, dk, rows in self._group_rows(table, linfo, pinfo):
+            s3, d3 = (src3, dst3) if rows is None else (src3[rows], dst3[rows])
+            plan.extend((sk, dk, s3[a:b], d3[a:b]) for a, b in batches(len(s3), self.max_descs))
         single = len(plan) == 1
         x = _Xfer([], [], notification, notify_after=not single)
         handle.engine = x
-        for sk, dk, rows in plan:
+        for sk, dk, s3, d3 in plan:
             try:
-                src = self._agent.get_xfer_descs(np.ascontiguousarray(src3[rows]), sk)
-                dst = self._agent.get_xfer_descs(np.ascontiguousarray(dst3[rows]), dk)
+                src = self._agent.get_xfer_descs(s3, sk)
+                dst = self._agent.get_xfer_descs(d3, dk)
                 req = self._agent.initialize_xfer(
                     "WRITE", src, dst, peer.agent_name, notification if single else b""
                 )
