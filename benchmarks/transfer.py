@@ -4,12 +4,13 @@
 
 Each case posts one DescriptorTable between two agents of one backend (initiator ->
 target, the target's memory pre-faulted), waits for DONE and for the target's
-notification, and times post-to-notification. Both agents live in this process; the
+notification, and times post-to-notification; after each transfer one ``np.copyto`` of
+the same number of bytes between two pre-faulted buffers is timed too (the baseline,
+interleaved so both see the same load). Both agents live in this process; the
 backends named by ``--two-process`` are measured a second time with the target in a
 spawned process (rows "(2 procs)"), which is how the runtime uses them; there the
-target reports each notification back over a pipe. Every case checks all bytes. The baseline is one
-``np.copyto`` of the same number of bytes between two pre-faulted buffers. Reported:
-medians over ``--repeats`` runs, GB/s, ratio to memcpy, descriptors per second.
+target reports each notification back over a pipe. Every case checks all bytes.
+Reported: medians over ``--repeats`` runs, GB/s, ratio to memcpy, descriptors per second.
 
 More rows: append a function to ``CASES`` returning a :class:`Row` (the control-plane
 rows of the runtime go there too).
@@ -48,7 +49,7 @@ class Row:
     nbytes: int
     ndescs: int
     seconds: float  # median
-    memcpy_seconds: float  # median baseline, same bytes, same run
+    memcpy_seconds: float  # median baseline, same bytes, timed between the transfers
 
     def cells(self) -> list[str]:
         gbs = self.nbytes / self.seconds / 1e9
@@ -68,16 +69,18 @@ class Row:
 HEADER = ["backend", "case", "bytes", "descs", "median ms", "GB/s", "vs memcpy", "descs/s"]
 
 
-def memcpy_seconds(nbytes: int, repeats: int) -> float:
-    a = np.ones(nbytes, dtype=np.uint8)
-    b = np.zeros(nbytes, dtype=np.uint8)  # zeros written = pages faulted in
-    b.fill(1)
-    times = []
-    for _ in range(repeats):
+class Memcpy:
+    """The baseline: ``np.copyto`` of ``nbytes`` between two pre-faulted buffers."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.a = np.ones(nbytes, dtype=np.uint8)
+        self.b = np.zeros(nbytes, dtype=np.uint8)
+        self.b.fill(1)  # zeros written = pages faulted in
+
+    def seconds(self) -> float:
         t0 = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        np.copyto(self.b, self.a)
+        return time.perf_counter() - t0
 
 
 # Engine options per row name: "nixl-shm" is NIXL with UCX error handling off, which lets UCX
@@ -139,8 +142,12 @@ def _recv(conn: Connection, child: SpawnProcess, timeout_s: float = 120.0) -> An
     return conn.recv()
 
 
-def backend_seconds(name: str, nbytes: int, desc: int, repeats: int, scatter: bool, procs: int) -> float:
-    """Median post-to-notification seconds; ``procs`` 2 puts the target in its own process."""
+def backend_seconds(
+    name: str, nbytes: int, desc: int, repeats: int, scatter: bool, procs: int
+) -> tuple[float, float]:
+    """Median post-to-notification seconds and median memcpy seconds of the same bytes, the
+    two timed alternately (one copy right after each transfer) so that both see the same
+    load on a shared machine. ``procs`` 2 puts the target agent in its own process."""
     engine, opts = VARIANTS.get(name, (name, {}))
     a = create_backend(engine, agent_name=f"bench-a-{name}", **opts)
     b: Backend | None = None
@@ -163,7 +170,7 @@ def backend_seconds(name: str, nbytes: int, desc: int, repeats: int, scatter: bo
         a.register([src.region()])
         peer = a.add_peer(md)
         table = _table(src.address, dst_base, nbytes, desc, scatter)
-        times = []
+        times, copies, baseline = [], [], Memcpy(nbytes)
         for i in range(repeats + 1):  # the first run warms connections up and is dropped
             t0 = time.perf_counter()
             h = a.post(peer, table, f"r{i}".encode())
@@ -177,13 +184,14 @@ def backend_seconds(name: str, nbytes: int, desc: int, repeats: int, scatter: bo
                 assert _recv(conn, child) == [f"r{i}".encode()]
             times.append(time.perf_counter() - t0)
             a.release(h)
+            copies.append(baseline.seconds())
         if b is not None:
             _verify(src.array, dst.array, table)
         else:
             assert conn is not None and child is not None
             conn.send("stop")
             _verify(src.array, np.frombuffer(_recv(conn, child), dtype=np.uint8), table)
-        return statistics.median(times[1:])
+        return statistics.median(times[1:]), statistics.median(copies[1:])
     finally:
         a.close()
         if b is not None:
@@ -204,18 +212,14 @@ def _label(name: str, procs: int) -> str:
 
 def large(name: str, repeats: int, procs: int) -> Row:
     nbytes, desc = 64 * MiB, 2 * MiB
-    return Row(
-        _label(name, procs), "64 MiB in 2 MiB descs", nbytes, nbytes // desc,
-        backend_seconds(name, nbytes, desc, repeats, False, procs), memcpy_seconds(nbytes, repeats),
-    )  # fmt: skip
+    seconds, memcpy = backend_seconds(name, nbytes, desc, repeats, False, procs)
+    return Row(_label(name, procs), "64 MiB in 2 MiB descs", nbytes, nbytes // desc, seconds, memcpy)
 
 
 def small(name: str, repeats: int, procs: int) -> Row:
     nbytes, desc = 16 * MiB, 4096
-    return Row(
-        _label(name, procs), "4 KiB descs, scattered", nbytes, nbytes // desc,
-        backend_seconds(name, nbytes, desc, repeats, True, procs), memcpy_seconds(nbytes, repeats),
-    )  # fmt: skip
+    seconds, memcpy = backend_seconds(name, nbytes, desc, repeats, True, procs)
+    return Row(_label(name, procs), "4 KiB descs, scattered", nbytes, nbytes // desc, seconds, memcpy)
 
 
 CASES: list[Case] = [large, small]
