@@ -36,6 +36,8 @@ from .negotiate import Version, describe
 
 Step = Callable[[Any], Any]
 _count = itertools.count
+# header bytes -> (body decoder, fast generated decoder, frame count, step to newest, version)
+_Entry = tuple[Callable[[Any], Any], Callable[[Any, Frames, SideCounter], Any], int, Step | None, Version]
 
 
 class MessageCodec(NamedTuple):
@@ -202,13 +204,13 @@ class Registry:
         self.dispatch: dict[tuple[int, int, int], tuple[MessageCodec, Step | None]] = {}
         # exact header frame -> (codec, step to the newest model, frame count, version): one
         # dict lookup checks magic, protocol, version, type and side-frame count together
-        self.by_header: dict[bytes, tuple[MessageCodec, Step | None, int, Version]] = {}
+        self.by_header: dict[bytes, _Entry] = {}
         for v in self.versions:
             for tid, mc in codecs[v].items():
                 step = self._chain(mc.name, v, self.newest)
                 self.dispatch[(v[0], v[1], tid)] = (mc, step)
                 for k, header in enumerate(mc.headers):
-                    self.by_header[header] = (mc, step, k + 2, v)
+                    self.by_header[header] = (mc.decoder.decode, mc.fast_from_wire, k + 2, step, v)
 
     # --- conversion between versions -------------------------------------------------
     def _chain(self, name: str, frm: Version, to: Version) -> Step | None:
@@ -288,16 +290,15 @@ class Registry:
         entry = self.by_header.get(header)
         if entry is None or n != entry[2]:
             return None
-        mc = entry[0]
         try:
             k = _count(2)
-            msg = mc.fast_from_wire(mc.decoder.decode(frames[1]), frames, k)
+            msg = entry[1](entry[0](frames[1]), frames, k)
             if next(k) != n:  # a side frame no field referenced
                 return None
         except Exception:
             return None
-        step = entry[1]
-        return (msg if step is None else step(msg)), entry[3]
+        step = entry[3]
+        return (msg if step is None else step(msg)), entry[4]
 
     def decode(self, frames: Frames) -> Any:
         """Decode multipart frames into the newest model (older minors are upgraded).
@@ -314,15 +315,14 @@ class Registry:
             if type(header) is bytes:
                 entry = self.by_header.get(header)
                 if entry is not None and n == entry[2]:
-                    mc = entry[0]
                     try:
                         k = _count(2)
-                        msg = mc.fast_from_wire(mc.decoder.decode(frames[1]), frames, k)
+                        msg = entry[1](entry[0](frames[1]), frames, k)
                         ok = next(k) == n  # else a side frame no field referenced
                     except Exception:
                         ok = False
                     if ok:
-                        step = entry[1]
+                        step = entry[3]
                         return msg if step is None else step(msg)
         return self._checked(frames)[0]
 
