@@ -19,13 +19,14 @@ from pdwire.wirecore.negotiate import negotiate
 
 from . import v1_0 as _v1_0
 from . import v1_1 as _v1_1
+from . import v1_2 as _v1_2
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1
-VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), )
+VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), )
 """Every version this build reads and writes, oldest first."""
 NEWEST = VERSIONS[-1]
-SUPPORTED: tuple[tuple[int, int], ...] = ((1, 1), )
+SUPPORTED: tuple[tuple[int, int], ...] = ((1, 2), )
 """Highest minor per major, as a Hello advertises it."""
 
 
@@ -118,13 +119,121 @@ def _down_v1_0_TransferRequest(m: _v1_1.TransferRequest) -> _v1_0.TransferReques
     )
 
 
+def _up_v1_2_StateComponent(m: _v1_1.StateComponent) -> _v1_2.StateComponent:
+    return _v1_2.StateComponent(
+        type=m.type,
+        base_addrs=m.base_addrs,
+        region_lens=m.region_lens,
+        bytes_per_slot=m.bytes_per_slot,
+        shard_axis_sizes=m.shard_axis_sizes,
+        sub_blocks=m.sub_blocks,
+        mem_descs=m.mem_descs,
+    )
+
+
+def _down_v1_1_StateComponent(m: _v1_2.StateComponent) -> _v1_1.StateComponent:
+    return _v1_1.StateComponent(
+        type=m.type,
+        base_addrs=m.base_addrs,
+        region_lens=m.region_lens,
+        bytes_per_slot=m.bytes_per_slot,
+        shard_axis_sizes=m.shard_axis_sizes,
+        sub_blocks=m.sub_blocks,
+        mem_descs=m.mem_descs,
+    )
+
+
+def _up_v1_2_RegisterInfo(m: _v1_1.RegisterInfo) -> _v1_2.RegisterInfo:
+    return _v1_2.RegisterInfo(
+        endpoint=m.endpoint,
+        engine_id=m.engine_id,
+        agent_name=m.agent_name,
+        agent_metadata=m.agent_metadata,
+        geometry=m.geometry,
+        first_layer=m.first_layer,
+        num_layers=m.num_layers,
+        k_base_addrs=m.k_base_addrs,
+        v_base_addrs=m.v_base_addrs,
+        bytes_per_page=m.bytes_per_page,
+        region_lens=m.region_lens,
+        num_pages=m.num_pages,
+        page_size=m.page_size,
+        kv_layout=m.kv_layout,
+        kv_heads_per_rank=m.kv_heads_per_rank,
+        kv_heads_total=m.kv_heads_total,
+        bytes_per_head=m.bytes_per_head,
+        is_mla=m.is_mla,
+        aux_base_addrs=m.aux_base_addrs,
+        aux_lens=m.aux_lens,
+        aux_item_lens=m.aux_item_lens,
+        kv_mem_descs=m.kv_mem_descs,
+        state_components=[_up_v1_2_StateComponent(e0) for e0 in m.state_components],
+        **_mig.upgrade_RegisterInfo_1_2(m, _v1_2),
+    )
+
+
+def _down_v1_1_RegisterInfo(m: _v1_2.RegisterInfo) -> _v1_1.RegisterInfo:
+    return _v1_1.RegisterInfo(
+        endpoint=m.endpoint,
+        engine_id=m.engine_id,
+        agent_name=m.agent_name,
+        agent_metadata=m.agent_metadata,
+        geometry=m.geometry,
+        first_layer=m.first_layer,
+        num_layers=m.num_layers,
+        k_base_addrs=m.k_base_addrs,
+        v_base_addrs=m.v_base_addrs,
+        bytes_per_page=m.bytes_per_page,
+        region_lens=m.region_lens,
+        num_pages=m.num_pages,
+        page_size=m.page_size,
+        kv_layout=m.kv_layout,
+        kv_heads_per_rank=m.kv_heads_per_rank,
+        kv_heads_total=m.kv_heads_total,
+        bytes_per_head=m.bytes_per_head,
+        is_mla=m.is_mla,
+        aux_base_addrs=m.aux_base_addrs,
+        aux_lens=m.aux_lens,
+        aux_item_lens=m.aux_item_lens,
+        kv_mem_descs=m.kv_mem_descs,
+        state_components=[_down_v1_1_StateComponent(e0) for e0 in m.state_components],
+        **_mig.downgrade_RegisterInfo_1_1(m, _v1_1),
+    )
+
+
+def _up_v1_2_TransferStatus(m: _v1_1.TransferStatus) -> _v1_2.TransferStatus:
+    return _v1_2.TransferStatus(
+        room=m.room,
+        status=m.status,
+        sender_rank=m.sender_rank,
+        reason=m.reason,
+        **_mig.upgrade_TransferStatus_1_2(m, _v1_2),
+    )
+
+
+def _down_v1_1_TransferStatus(m: _v1_2.TransferStatus) -> _v1_1.TransferStatus:
+    return _v1_1.TransferStatus(
+        room=m.room,
+        status=m.status,
+        sender_rank=m.sender_rank,
+        reason=m.reason,
+        **_mig.downgrade_TransferStatus_1_1(m, _v1_1),
+    )
+
+
 _UP: dict[tuple[str, tuple[int, int]], _env.Step] = {
     ("RegisterInfo", (1, 1)): _up_v1_1_RegisterInfo,
     ("TransferRequest", (1, 1)): _up_v1_1_TransferRequest,
+    ("StateComponent", (1, 2)): _up_v1_2_StateComponent,
+    ("RegisterInfo", (1, 2)): _up_v1_2_RegisterInfo,
+    ("TransferStatus", (1, 2)): _up_v1_2_TransferStatus,
 }
 _DOWN: dict[tuple[str, tuple[int, int]], _env.Step] = {
     ("RegisterInfo", (1, 0)): _down_v1_0_RegisterInfo,
     ("TransferRequest", (1, 0)): _down_v1_0_TransferRequest,
+    ("StateComponent", (1, 1)): _down_v1_1_StateComponent,
+    ("RegisterInfo", (1, 1)): _down_v1_1_RegisterInfo,
+    ("TransferStatus", (1, 1)): _down_v1_1_TransferStatus,
 }
 
 REGISTRY = _env.Registry(
@@ -133,22 +242,23 @@ REGISTRY = _env.Registry(
     codecs={
         _v1_0.VERSION: _v1_0.CODECS,
         _v1_1.VERSION: _v1_1.CODECS,
+        _v1_2.VERSION: _v1_2.CODECS,
     },
     up=_UP,
     down=_DOWN,
     frozen_types=frozenset({1}),
 )
 
-Message = _v1_1.Message
+Message = _v1_2.Message
 """Any top-level message of the newest model."""
 
 
-def hello_versions() -> list[_v1_1.Version]:
+def hello_versions() -> list[_v1_2.Version]:
     """This build's supported versions, as a Hello carries them."""
-    return [_v1_1.Version(major=major, minor=minor) for major, minor in SUPPORTED]
+    return [_v1_2.Version(major=major, minor=minor) for major, minor in SUPPORTED]
 
 
-def agree(local: _v1_1.Hello, remote: _v1_1.Hello) -> tuple[int, int]:
+def agree(local: _v1_2.Hello, remote: _v1_2.Hello) -> tuple[int, int]:
     """The version two peers use after exchanging Hellos; a typed error naming both sides otherwise."""
     if remote.protocol != local.protocol:
         raise ProtocolNameMismatch(

@@ -659,7 +659,7 @@ class TransferStatus(msgspec.Struct, kw_only=True):
     sender_rank: int
     """unique prefill rank: tp_rank*(pp*cp) + pp_rank*cp + cp_rank"""
     reason: str = ''
-    """failure reason"""
+    """failure reason; before 1.2 prefixed with \"<kind>: \", from 1.2 the detail alone"""
 
     def __eq__(self, other: object) -> bool:
         return (

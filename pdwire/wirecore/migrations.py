@@ -10,6 +10,18 @@ The generator copies every field two versions share; a version listing a message
 Upgrading turns a flat state into one component; downgrading refuses, with
 :class:`DowngradeError`, anything 1.0 cannot carry (several components, sub-blocks,
 memory descriptors).
+
+1.1 -> 1.2: additions only (RegisterAck, FailureKind, TransferStatus.failure_kind,
+RegisterInfo.aux_mem_descs, StateComponent self-description). Upgrading fills defaults, so a
+1.1 registration reads as "not self-described" and the runtime borrows the structure from its
+own model, as 1.1 did. Downgrading drops the self-description and failure_kind mechanically
+and refuses what would be lost in a way that matters: a ``failure_kind`` other than
+unspecified (1.1 carries the kind as a ``"<kind>: "`` prefix of ``reason``, a shared field a
+hook cannot rewrite; the runtime writes that form for older peers) and non-empty
+``aux_mem_descs``: 1.1 carries aux descriptors at the tail of ``kv_mem_descs``, and a hook
+cannot rewrite a field both versions share (the generator copies shared fields verbatim),
+so the runtime writes the 1.1 form itself when it agreed on 1.1. Refusing instead of
+dropping keeps a peer from silently losing the descriptors of its aux buffers.
 """
 
 from __future__ import annotations
@@ -86,3 +98,38 @@ def downgrade_TransferRequest_1_0(msg: Any, old: ModuleType) -> dict[str, Any]:
     if not comps or comps[0] is None:
         return {}
     return {"flat_state_indices": comps[0]}
+
+
+def upgrade_RegisterInfo_1_2(old: Any, new: ModuleType) -> dict[str, Any]:
+    # 1.1 keeps aux descriptors at the tail of kv_mem_descs; splitting them off would need
+    # rewriting kv_mem_descs, which the generated step copies verbatim, so they stay there and
+    # the runtime's join accepts either form.
+    return {}
+
+
+def downgrade_RegisterInfo_1_1(msg: Any, old: ModuleType) -> dict[str, Any]:
+    if msg.aux_mem_descs:
+        raise DowngradeError(
+            f"{len(msg.aux_mem_descs)} aux memory descriptors cannot be carried by version 1.1 in "
+            "their own list; a 1.1 writer appends them to kv_mem_descs",
+            message="RegisterInfo",
+            field="aux_mem_descs",
+        )
+    return {}
+
+
+def upgrade_TransferStatus_1_2(old: Any, new: ModuleType) -> dict[str, Any]:
+    # The kind of a 1.1 failure stays in its reason prefix; the runtime parses it (it owns the
+    # kind names), so the upgrade fills the default.
+    return {}
+
+
+def downgrade_TransferStatus_1_1(msg: Any, old: ModuleType) -> dict[str, Any]:
+    if int(msg.failure_kind) != 0:
+        raise DowngradeError(
+            f"failure_kind {msg.failure_kind.name.lower()} cannot be carried by version 1.1; "
+            'a 1.1 writer prefixes the reason with "<kind>: " and leaves failure_kind unspecified',
+            message="TransferStatus",
+            field="failure_kind",
+        )
+    return {}

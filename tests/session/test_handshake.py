@@ -37,7 +37,9 @@ def roundtrip(msg: wire.Message, version: tuple[int, int]) -> wire.Message:
 
 def test_compatible_hellos_agree_on_the_newest_common_version() -> None:
     p, d = ident(wire.Role.PREFILL).hello(), ident(wire.Role.DECODE, tp=4).hello()
-    assert check_hello(p, d) == check_hello(d, p) == (1, 1)
+    assert check_hello(p, d) == check_hello(d, p) == (1, 2)
+    older = ident(wire.Role.DECODE, versions=((1, 1),)).hello()
+    assert check_hello(p, roundtrip(older, (1, 1))) == (1, 1)  # type: ignore[arg-type]
     old = ident(wire.Role.DECODE, versions=((1, 0),)).hello()
     assert check_hello(p, roundtrip(old, (1, 0))) == (1, 0)  # type: ignore[arg-type]
 
@@ -47,7 +49,7 @@ def test_other_major_is_refused_naming_both_versions() -> None:
     future = ident(wire.Role.DECODE, versions=((2, 0),)).hello()
     with pytest.raises(HandshakeError) as e:
         check_hello(p, future)
-    assert "1.1" in str(e.value) and "2.0" in str(e.value)
+    assert "1.0-1.2" in str(e.value) and "2.0" in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -51,8 +51,28 @@ def test_golden_decodes_with_current_code(path: Path) -> None:
     # every older generated decoder of the same major reads it, skipping what it does not know
     for older in w.VERSIONS:
         if older[0] == version[0] and older < version:
-            old_view = getattr(w, f"v{older[0]}_{older[1]}").decode(frames)
+            old_module = getattr(w, f"v{older[0]}_{older[1]}")
+            if twin["type_id"] not in w.REGISTRY.codecs[older]:
+                # a message new in a later minor: the older reader refuses it by type, never guesses
+                with pytest.raises(w.UnknownMessageType, match=f"type {twin['type_id']}"):
+                    old_module.decode(frames)
+                continue
+            old_view = old_module.decode(frames)
             assert type(old_view).__name__ == twin["message"]
-            for name, value in to_json(old_view).items():
-                if name in twin["value"]:
-                    assert value == twin["value"][name], name
+            _assert_known_part_equal(to_json(old_view), twin["value"], twin["message"])
+
+
+def _assert_known_part_equal(old: Any, new: Any, where: str) -> None:
+    """What an older reader decodes equals the newer value, nested messages included, on the
+    fields the older reader knows (it skips the newer positions)."""
+    if isinstance(old, dict):
+        assert isinstance(new, dict), where
+        for name, value in old.items():
+            if name in new:
+                _assert_known_part_equal(value, new[name], f"{where}.{name}")
+    elif isinstance(old, list) and old and isinstance(old[0], dict):
+        assert isinstance(new, list) and len(old) == len(new), where
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            _assert_known_part_equal(a, b, f"{where}[{i}]")
+    else:
+        assert old == new, where

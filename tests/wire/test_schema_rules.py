@@ -26,15 +26,13 @@ assert ABORT in BASE
 
 def _with_abort(fields: str, extra_versions: str = "", reserved: str = "") -> str:
     text = BASE.replace(ABORT, "  Abort:\n    type_id: 6\n    fields:\n" + fields + reserved)
-    if extra_versions:
-        text = text.replace(
-            "    migrate: [RegisterInfo, TransferRequest]\n",
-            "    migrate: [RegisterInfo, TransferRequest]\n" + extra_versions,
-        )
+    if extra_versions:  # appended after the schema's last version
+        assert "\n\nenums:\n" in text
+        text = text.replace("\n\nenums:\n", "\n" + extra_versions + "\nenums:\n", 1)
     return text
 
 
-V12 = '  - version: "1.2"\n'
+V13 = '  - version: "1.3"\n'
 V20 = '  - version: "2.0"\n'
 ROOM = "      - {id: 0, name: room, type: u64}\n"
 SENDER = "      - {id: 1, name: sender, type: str}\n"
@@ -65,9 +63,9 @@ def _load(text: str) -> object:
             r"message Abort: field ids must be contiguous from 0; missing \[2\]",
         ),
         (
-            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, since: "1.2"}\n',
-            V12,
-            r"field code \(id 3\): added in minor 1\.2 without a default",
+            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, since: "1.3"}\n',
+            V13,
+            r"field code \(id 3\): added in minor 1\.3 without a default",
         ),
         (
             ROOM + SENDER + "      - {id: 2, name: reason, type: u8, default: 300}\n",
@@ -114,10 +112,10 @@ def _diff(old: str, new: str) -> list[str]:
 def test_unchanged_and_compatible_changes_pass() -> None:
     assert _diff(BASE, BASE) == []
     added = _with_abort(
-        ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.2"}\n', V12
+        ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n', V13
     )
     assert _diff(BASE, added) == []
-    reserved = _with_abort(ROOM + SENDER + REASON.replace("}", ', removed: "1.2"}'), V12)
+    reserved = _with_abort(ROOM + SENDER + REASON.replace("}", ', removed: "1.3"}'), V13)
     assert _diff(BASE, reserved) == []
 
 
@@ -131,8 +129,8 @@ def test_unchanged_and_compatible_changes_pass() -> None:
         (_with_abort(ROOM + SENDER), "field reason (id 2): removed without reserving its id and name"),
         (
             _with_abort(
-                ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.2"}\n',
-                V12,
+                ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n',
+                V13,
             ).replace("default: 0, since", "since"),
             None,
         ),
@@ -175,7 +173,7 @@ def test_required_field_added_in_a_minor_is_breaking_in_the_diff() -> None:
     old = load_text(BASE, "old.yaml")
     new = load_text(
         _with_abort(
-            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.2"}\n', V12
+            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n', V13
         ),
         "new.yaml",
     )
@@ -185,7 +183,7 @@ def test_required_field_added_in_a_minor_is_breaking_in_the_diff() -> None:
     required = replace(abort, fields=(*abort.fields[:3], replace(abort.fields[3], default=UNSET)))
     new_msgs = {**new.messages, "Abort": required}
     result = diff_protocols(old, replace(new, messages=new_msgs))
-    assert any("required field added in minor 1.2" in str(c) for c in result.breaking)
+    assert any("required field added in minor 1.3" in str(c) for c in result.breaking)
     assert result.failed
 
 
