@@ -11,6 +11,7 @@ searching.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -41,6 +42,43 @@ class Region:
     @property
     def end(self) -> int:
         return self.base + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class RegionColumns:
+    """A region list as uint64 columns; build it once per list, since every post checks against it."""
+
+    bases: U64
+    lengths: U64
+
+    @classmethod
+    def of(cls, regions: Sequence[Region]) -> RegionColumns:
+        n = len(regions)
+        return cls(
+            np.fromiter((r.base for r in regions), dtype=np.uint64, count=n),
+            np.fromiter((r.length for r in regions), dtype=np.uint64, count=n),
+        )
+
+    def __len__(self) -> int:
+        return len(self.bases)
+
+
+def outside_regions(addr: U64, length: U64, region: U32, columns: RegionColumns) -> npt.NDArray[np.bool_]:
+    """Per row: names a region that does not exist, has zero length, or does not lie inside it.
+
+    All arithmetic stays in uint64 and never forms ``base + length`` (which may be 2**64) or
+    ``addr + length``, so no row can pass by wrapping around.
+    """
+    if len(columns) == 0:
+        return np.ones(len(addr), dtype=bool)
+    exists = region < len(columns)
+    ids = np.where(exists, region, 0)
+    bases, lengths = columns.bases[ids], columns.lengths[ids]
+    below = addr < bases
+    offset = np.where(below, np.uint64(0), addr - np.where(below, addr, bases))
+    past = (offset > lengths) | (length > lengths - np.minimum(offset, lengths))
+    bad: npt.NDArray[np.bool_] = ~exists | below | past | (length == 0)
+    return bad
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,20 +170,10 @@ class DescriptorTable:
                     pairs.append(np.asarray([[i, j]], dtype=np.intp))
         return np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.intp)
 
-    def rows_outside(self, src_regions: list[Region], dst_regions: list[Region]) -> npt.NDArray[np.intp]:
-        """Rows that name a missing region or do not lie inside the region they name, on either side."""
-        bad = np.zeros(len(self), dtype=bool)
-        for addr, region_col, regions in (
-            (self.src_addr, self.src_region, src_regions),
-            (self.dst_addr, self.dst_region, dst_regions),
-        ):
-            exists = region_col < len(regions)
-            ids = np.where(exists, region_col, 0)
-            bases = np.asarray([r.base for r in regions] or [0], dtype=np.uint64)[ids]
-            lengths = np.asarray([r.length for r in regions] or [0], dtype=np.uint64)[ids]
-            below = addr < bases
-            # Offsets and remaining room in u64 without ever forming base + length (may be 2**64).
-            offset = np.where(below, np.uint64(0), addr - np.where(below, addr, bases))
-            past = (offset > lengths) | (self.length > lengths - np.minimum(offset, lengths))
-            bad |= ~exists | below | past
+    def rows_outside(
+        self, src_regions: Sequence[Region], dst_regions: Sequence[Region]
+    ) -> npt.NDArray[np.intp]:
+        """Rows that name a missing region, have zero length or leave their region, on either side."""
+        bad = outside_regions(self.src_addr, self.length, self.src_region, RegionColumns.of(src_regions))
+        bad |= outside_regions(self.dst_addr, self.length, self.dst_region, RegionColumns.of(dst_regions))
         return np.flatnonzero(bad)

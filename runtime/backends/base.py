@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
+from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region, RegionColumns, outside_regions
 
 # --------------------------------------------------------------------------- errors
 
@@ -140,6 +140,14 @@ class Peer:
     pid: int
     engine: Any = None  # backend-private state (mapped segments, engine names, ...)
     removed: bool = False
+    _columns: tuple[tuple[Region, ...], RegionColumns] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def columns(self) -> RegionColumns:
+        """``regions`` as u64 columns, rebuilt only when ``regions`` is replaced."""
+        if self._columns is None or self._columns[0] is not self.regions:
+            self._columns = (self.regions, RegionColumns.of(self.regions))
+        return self._columns[1]
 
 
 @dataclass(eq=False)
@@ -253,53 +261,44 @@ def pid_alive(pid: int) -> bool:
 # --------------------------------------------------------------------------- validation
 
 
-def _region_columns(regions: Sequence[Region]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    base = np.fromiter((r.base for r in regions), dtype=np.uint64, count=len(regions))
-    end = np.fromiter((r.end for r in regions), dtype=np.uint64, count=len(regions))
-    return base, end
-
-
 def check_side(
     side: str,
     addr: npt.NDArray[np.uint64],
     length: npt.NDArray[np.uint64],
     region_idx: npt.NDArray[np.uint32],
     regions: Sequence[Region],
+    columns: RegionColumns,
     owner: str,
 ) -> None:
-    """Raise DescriptorError for the first row of one side that is not inside its region.
-
-    Vectorised; every comparison stays in uint64 (``length <= end - addr`` once
-    ``base <= addr <= end`` holds), so huge lengths cannot wrap around.
-    """
-    n = len(addr)
-    if n == 0:
+    """Raise DescriptorError for the first row of one side that is not inside its region."""
+    bad = outside_regions(addr, length, region_idx, columns)
+    if not bad.any():
         return
-    nreg = len(regions)
-    bad_idx = region_idx >= nreg
-    if bad_idx.any():
-        i = int(np.argmax(bad_idx))
+    i = int(np.argmax(bad))
+    ri = int(region_idx[i])
+    if ri >= len(regions):
         raise DescriptorError(
-            f"row {i}: {side}_region {int(region_idx[i])} does not exist ({owner} registered {nreg} regions)"
+            f"row {i}: {side}_region {ri} does not exist ({owner} registered {len(regions)} regions)"
         )
-    base, end = _region_columns(regions)
-    rb, re_ = base[region_idx], end[region_idx]
-    inside = (addr >= rb) & (addr <= re_)
-    ok = inside & (length > 0) & (length <= np.where(inside, re_ - addr, 0))
-    if not ok.all():
-        i = int(np.argmin(ok))
-        r = regions[int(region_idx[i])]
-        raise DescriptorError(
-            f"row {i}: {side} [{int(addr[i]):#x}, +{int(length[i])}) is not inside {owner} region "
-            f"{int(region_idx[i])} {r.name!r} [{r.base:#x}, {r.end:#x})"
-            + (" (zero length)" if int(length[i]) == 0 else "")
-        )
+    r = regions[ri]
+    raise DescriptorError(
+        f"row {i}: {side} [{int(addr[i]):#x}, +{int(length[i])}) is not inside {owner} region "
+        f"{ri} {r.name!r} [{r.base:#x}, {r.end:#x})" + (" (zero length)" if int(length[i]) == 0 else "")
+    )
 
 
-def validate_table(table: DescriptorTable, local: Sequence[Region], peer: Peer) -> None:
-    check_side("src", table.src_addr, table.length, table.src_region, local, "locally")
+def validate_table(
+    table: DescriptorTable, local: Sequence[Region], local_columns: RegionColumns, peer: Peer
+) -> None:
+    check_side("src", table.src_addr, table.length, table.src_region, local, local_columns, "locally")
     check_side(
-        "dst", table.dst_addr, table.length, table.dst_region, peer.regions, f"peer {peer.agent_name!r}"
+        "dst",
+        table.dst_addr,
+        table.length,
+        table.dst_region,
+        peer.regions,
+        peer.columns,
+        f"peer {peer.agent_name!r}",
     )
 
 
@@ -330,6 +329,7 @@ class Backend(abc.ABC):
         self.agent_name = agent_name or f"{self.name}-{os.getpid()}-{os.urandom(4).hex()}"
         self.transfer_timeout_s = float(transfer_timeout_s)
         self.regions: list[Region] = []
+        self._region_columns = RegionColumns.of(())
         self._peers: dict[str, Peer] = {}
         self._handles: dict[int, TransferHandle] = {}
         self._next_id = 1
@@ -358,6 +358,7 @@ class Backend(abc.ABC):
         self._register(regions)
         first = len(self.regions)
         self.regions.extend(regions)
+        self._region_columns = RegionColumns.of(self.regions)
         return list(range(first, len(self.regions)))
 
     supports_vram: bool = False
@@ -428,7 +429,7 @@ class Backend(abc.ABC):
             raise TransferError(f"notification must be bytes, got {type(notification).__name__}")
         if len(table) == 0:
             raise DescriptorError("empty descriptor table: nothing to transfer, no notification can be sent")
-        validate_table(table, self.regions, peer)
+        validate_table(table, self.regions, self._region_columns, peer)
         h = TransferHandle(
             self._next_id, peer, table.total_bytes, len(table), time.monotonic() + self.transfer_timeout_s
         )
