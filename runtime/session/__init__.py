@@ -26,8 +26,11 @@ from pdwire.runtime.session.failures import (
     FailureKind,
     HandshakeError,
     ProtocolViolation,
+    RegistrationMismatch,
     RoomFailedError,
     SessionError,
+    failure_from_wire,
+    failure_to_wire,
 )
 from pdwire.runtime.session.prefill_room import PrefillRoom, Target
 from pdwire.runtime.session.prefill_session import PrefillSession
@@ -50,6 +53,7 @@ __all__ = [
     "PrefillRoom",
     "PrefillSession",
     "ProtocolViolation",
+    "RegistrationMismatch",
     "ReleaseRoom",
     "RoomFailedError",
     "RoomStatus",
@@ -60,5 +64,7 @@ __all__ = [
     "SessionError",
     "StatePart",
     "Target",
+    "failure_from_wire",
+    "failure_to_wire",
     "merge_status",
 ]

@@ -2,7 +2,8 @@
 backend for completions, and the pure decode session.
 
 ``connect`` runs the handshake with every prefill rank of one prefill engine (Hello both
-ways, then RegisterInfo, answered by a TransferStatus for the reserved room 0) and raises
+ways, then RegisterInfo, answered by a RegisterAck at 1.2 or newer, by a TransferStatus for
+the reserved room 0 for 1.1 and 1.0 peers) and raises
 :class:`HandshakeError` with the peer's reason on refusal. ``start_room`` sends one
 TransferRequest per prefill rank the routing names (dummies explicitly marked) and opens
 the room in the session; completions arrive as engine notifications or, for parts with
@@ -25,9 +26,9 @@ from pdwire.runtime.planner import route_decode_rank
 from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
 from pdwire.runtime.session.decode_room import PartKind, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
-from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
+from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_from_wire
 from pdwire.runtime.session.handshake import Identity, check_descriptors, check_hello, register_info
-from pdwire.runtime.session.prefill_worker import REGISTER_ROOM
+from pdwire.runtime.session.prefill_worker import REGISTER_ACK_SINCE, REGISTER_ROOM
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
@@ -136,6 +137,7 @@ class DecodeWorker:
                 agent_name=md.agent_name,
                 agent_metadata=md.agent_metadata,
                 region_descs=md.region_descs,
+                version=version,
             )
             try:
                 frames = wire.encode(info, version)
@@ -146,10 +148,17 @@ class DecodeWorker:
                 ) from exc
             sock.send_multipart(frames)
             ack = self._recv(sock, deadline, "registration answer", endpoint)
-            if not (isinstance(ack, wire.TransferStatus) and int(ack.room) == REGISTER_ROOM):
-                raise HandshakeError(f"{endpoint} answered RegisterInfo with {type(ack).__name__}")
-            if ack.status != wire.Status.SUCCESS:
-                raise HandshakeError(f"prefill {theirs.engine_id!r} refused the registration: {ack.reason}")
+            if version >= REGISTER_ACK_SINCE:
+                if not isinstance(ack, wire.RegisterAck):
+                    raise HandshakeError(f"{endpoint} answered RegisterInfo with {type(ack).__name__}")
+                accepted = bool(ack.accepted)
+            else:  # 1.1 and 1.0 peers answer with a TransferStatus for the reserved room 0
+                if not (isinstance(ack, wire.TransferStatus) and int(ack.room) == REGISTER_ROOM):
+                    raise HandshakeError(f"{endpoint} answered RegisterInfo with {type(ack).__name__}")
+                accepted = ack.status == wire.Status.SUCCESS
+            if not accepted:
+                why = failure_from_wire(wire.FailureKind(ack.failure_kind), ack.reason)
+                raise HandshakeError(f"prefill {theirs.engine_id!r} refused the registration: {why.reason}")
         except BaseException:
             sock.close(0)
             raise
@@ -226,7 +235,10 @@ class DecodeWorker:
             if isinstance(msg, wire.TransferStatus):
                 if int(msg.room) == REGISTER_ROOM:
                     continue
-                failure = Failure.parse(msg.reason) if msg.status == wire.Status.FAILED else None
+                failed = msg.status == wire.Status.FAILED
+                failure = (
+                    failure_from_wire(wire.FailureKind(msg.failure_kind), msg.reason) if failed else None
+                )
                 self._run(
                     self.session.on_status(
                         int(msg.room), int(msg.sender_rank), RoomStatus(int(msg.status)), failure
@@ -235,8 +247,8 @@ class DecodeWorker:
             elif isinstance(msg, wire.Notification):
                 self.stats.control_notifications += 1
                 self._on_notification(msg)
-            elif isinstance(msg, wire.AbortAck):
-                pass  # the prefill side released the room; nothing is waiting for this
+            elif isinstance(msg, wire.AbortAck | wire.RegisterAck):
+                pass  # a released room or a repeated registration answer: nothing is waiting for it
             else:
                 self.stats.failures.append(f"unexpected {type(msg).__name__} from {link.peer}")
 

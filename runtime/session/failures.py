@@ -1,14 +1,19 @@
-"""Typed failures: what went wrong with a room, carried to the requester as a reason string.
+"""Typed failures: what went wrong with a room, carried to the requester.
 
-A reason travels inside ``TransferStatus.failure_reason`` as ``"<kind>: <detail>"`` so the
-far side can rebuild the same typed :class:`Failure` (and raise the same exception class)
-without a schema change for every new kind.
+From protocol 1.2 the kind travels typed, in ``TransferStatus.failure_kind`` (and
+``RegisterAck.failure_kind``), and ``reason`` holds the detail alone. Peers that agreed on 1.1
+or older carry it as a ``"<kind>: <detail>"`` prefix of ``TransferStatus.reason`` so the far
+side can rebuild the same typed :class:`Failure`; :func:`failure_to_wire` and
+:func:`failure_from_wire` pick the form by the agreed version. A kind the wire enum lacks
+(``REMOTE``) always travels in the prefix form with ``failure_kind`` unspecified.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+
+from pdwire import wire
 
 
 class FailureKind(StrEnum):
@@ -43,6 +48,29 @@ class Failure:
         return cls(FailureKind.REMOTE, reason)
 
 
+TYPED_FAILURES_SINCE = (1, 2)  # first version with FailureKind on the wire
+
+
+def failure_to_wire(failure: Failure | None, version: tuple[int, int] | None) -> tuple[wire.FailureKind, str]:
+    """``(failure_kind, reason)`` to send at ``version`` (None: not agreed yet, the oldest form)."""
+    if failure is None:
+        return wire.FailureKind.UNSPECIFIED, ""
+    kind = wire.FailureKind.__members__.get(failure.kind.name)
+    if kind is None or version is None or version < TYPED_FAILURES_SINCE:
+        return wire.FailureKind.UNSPECIFIED, failure.reason
+    return kind, failure.detail
+
+
+def failure_from_wire(kind: wire.FailureKind, reason: str) -> Failure:
+    """Inverse of :func:`failure_to_wire`: a typed kind wins; unspecified reads the reason prefix."""
+    if kind != wire.FailureKind.UNSPECIFIED:
+        try:
+            return Failure(FailureKind[wire.FailureKind(kind).name], reason)
+        except (KeyError, ValueError):  # a kind this build does not know: keep it, untyped
+            return Failure(FailureKind.REMOTE, f"{int(kind)}: {reason}")
+    return Failure.parse(reason)
+
+
 class SessionError(Exception):
     """Base of every error the session layer raises."""
 
@@ -57,6 +85,19 @@ class DuplicateRoomError(SessionError):
 
 class HandshakeError(SessionError):
     """The peers cannot work together; the message names what differs on each side."""
+
+
+class RegistrationMismatch(HandshakeError):
+    """A self-described (1.2) registration disagrees with this side's model.
+
+    ``component`` is ``"state_components[i] (kind)"``, ``tensor`` the tensor name (or "" for
+    the whole component) and ``field`` the StateComponent field that differs.
+    """
+
+    def __init__(self, component: str, tensor: str, field: str, detail: str) -> None:
+        self.component, self.tensor, self.field = component, tensor, field
+        where = f"RegisterInfo.{component}" + (f", tensor {tensor!r}" if tensor else "")
+        super().__init__(f"{where}, field {field}: {detail}")
 
 
 class ProtocolViolation(SessionError):

@@ -6,15 +6,22 @@ both sides' versions), opposite roles, identical model fingerprint (weights revi
 included: KV of different weights must never mix), and TP sizes that divide one another.
 
 The wire's ``RegisterInfo.state_components[i]`` lists one entry per (tensor, layer), tensor
-major; the prefill side splits them back using its own component structure (same kinds,
-same tensor count), refusing any count that does not split evenly.
+major. From 1.2 a component describes itself (tensor names, indexing, sharding, head
+geometry): :func:`remote_memory` builds the peer's component from its registration alone and
+then validates it against this side's model, refusing any disagreement with a
+:class:`RegistrationMismatch` naming component, tensor and field. A 1.1 or 1.0 peer sends no
+self-description (the fields read as their defaults), so for it the structure is borrowed from
+this side's own model, as before 1.2: same kinds, same tensor count and names, indexing by
+kind, replication from the local component; only counts that do not split evenly are refused.
+The memory kind of a component is never on the wire and is always this side's.
 
 Engines that address memory by descriptor (MoRI) publish one opaque blob per registered
 region (``PeerMetadata.region_descs``, in the planner's region order). RegisterInfo carries
 them split like the memory itself: each state component's blobs in its ``mem_descs``
-(tensor major, per layer, like its ``base_addrs``); every other region's blob in
-``kv_mem_descs``: KV K layers, KV V layers, then the aux buffers (the schema has no aux
-descriptor list). :func:`join_region_descs` rebuilds the region-ordered tuple on the
+(tensor major, per layer, like its ``base_addrs``); the KV K layers, then KV V layers in
+``kv_mem_descs``; the aux buffers in ``aux_mem_descs`` from 1.2, appended to
+``kv_mem_descs`` for 1.1 peers (1.1 has no aux list, and the codec refuses to drop one).
+:func:`join_region_descs` accepts both forms and rebuilds the region-ordered tuple on the
 prefill side. Version 1.0 cannot carry component descriptors, so a descriptor-addressed
 backend refuses a 1.0 peer at the handshake (:func:`check_descriptors`).
 """
@@ -39,7 +46,7 @@ from pdwire.runtime.planner import (
     StateTensor,
     region_index,
 )
-from pdwire.runtime.session.failures import HandshakeError
+from pdwire.runtime.session.failures import HandshakeError, RegistrationMismatch
 
 from pdwire import wire
 
@@ -108,6 +115,7 @@ def check_hello(local: wire.Hello, remote: wire.Hello) -> tuple[int, int]:
 
 
 DESCRIPTORS_SINCE = (1, 1)  # first version whose StateComponent carries mem_descs
+SELF_DESCRIBING_SINCE = (1, 2)  # first version with StateComponent's self-description, aux_mem_descs
 
 
 def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:
@@ -126,6 +134,29 @@ def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: boo
 
 
 # --------------------------------------------------------------------------- RegisterInfo
+
+_INDEXING_TO_WIRE = {Indexing.SLOT: wire.StateIndexing.SLOT, Indexing.PAGE: wire.StateIndexing.PAGE}
+_WIRE_TO_INDEXING = {v: k for k, v in _INDEXING_TO_WIRE.items()}
+_LAYOUT_TO_WIRE = {Layout.NHD: wire.KvLayout.NHD, Layout.HND: wire.KvLayout.HND}
+_WIRE_TO_LAYOUT = {v: k for k, v in _LAYOUT_TO_WIRE.items()}
+
+
+def _sharding(c: StateComponent) -> wire.StateSharding:
+    if c.heads is not None:
+        return wire.StateSharding.HEADS
+    return wire.StateSharding.REPLICATED if c.replicated else wire.StateSharding.AXIS
+
+
+def _heads_to_wire(h: HeadGeometry | None) -> wire.HeadSharding | None:
+    if h is None:
+        return None
+    return wire.HeadSharding(
+        page_size=h.page_size,
+        layout=_LAYOUT_TO_WIRE[h.layout],
+        kv_heads_per_rank=h.kv_heads_per_rank,
+        kv_heads_total=h.total_kv_heads,
+        bytes_per_head=h.bytes_per_head,
+    )
 
 
 def _u64(values: list[int] | tuple[int, ...]) -> np.ndarray:
@@ -153,10 +184,20 @@ def join_region_descs(info: wire.RegisterInfo) -> tuple[bytes, ...]:
     :class:`HandshakeError` naming the field whose count does not match its regions.
     """
     comps = info.state_components
-    if not info.kv_mem_descs and not any(c.mem_descs for c in comps):
+    if not info.kv_mem_descs and not info.aux_mem_descs and not any(c.mem_descs for c in comps):
         return ()
     nk, nv, na = len(info.k_base_addrs), len(info.v_base_addrs), len(info.aux_base_addrs)
-    if len(info.kv_mem_descs) != nk + nv + na:
+    if info.aux_mem_descs:  # 1.2: the aux buffers have their own list
+        if len(info.aux_mem_descs) != na:
+            raise HandshakeError(
+                f"RegisterInfo.aux_mem_descs: {len(info.aux_mem_descs)} descriptors for {na} aux regions"
+            )
+        if len(info.kv_mem_descs) != nk + nv:
+            raise HandshakeError(
+                f"RegisterInfo.kv_mem_descs: {len(info.kv_mem_descs)} descriptors for {nk} K and {nv} V "
+                "regions (aux descriptors are in aux_mem_descs)"
+            )
+    elif len(info.kv_mem_descs) != nk + nv + na:  # 1.1 form (or 1.2 without aux buffers)
         raise HandshakeError(
             f"RegisterInfo.kv_mem_descs: {len(info.kv_mem_descs)} descriptors for {nk} K, {nv} V "
             f"and {na} aux regions"
@@ -167,7 +208,7 @@ def join_region_descs(info: wire.RegisterInfo) -> tuple[bytes, ...]:
                 f"RegisterInfo.state_components[{ci}].mem_descs: {len(c.mem_descs)} descriptors "
                 f"for {len(c.base_addrs)} regions"
             )
-    kv = [bytes(d) for d in info.kv_mem_descs]
+    kv = [bytes(d) for d in (*info.kv_mem_descs, *info.aux_mem_descs)]
     state = [bytes(d) for c in comps for d in c.mem_descs]
     return (*kv[: nk + nv], *state, *kv[nk + nv :])
 
@@ -180,11 +221,15 @@ def register_info(
     agent_name: str,
     agent_metadata: bytes,
     region_descs: Sequence[bytes] = (),
+    version: tuple[int, int] = wire.NEWEST,
 ) -> wire.RegisterInfo:
     """The decode rank's registration, from the same description its planner uses.
 
     ``region_descs`` are the backend's per-region memory descriptors in region order
     (``PeerMetadata.region_descs``); empty for engines that address memory by address.
+    ``version`` is the agreed one: below 1.2 the aux descriptors ride at the tail of
+    ``kv_mem_descs`` (the component self-description is always filled; the codec drops it
+    for older peers, which borrow the structure from their own model).
     """
     kv = memory.kv
     if kv is None:
@@ -220,8 +265,16 @@ def register_info(
                 shard_axis_sizes=_u64(shard),
                 sub_blocks=blocks if any(len(b) for b in blocks) else [],
                 mem_descs=descs,
+                tensor_names=[t.name for t in c.tensors],
+                indexing=_INDEXING_TO_WIRE[c.indexing],
+                sharding=_sharding(c),
+                heads=_heads_to_wire(c.heads),
             )
         )
+    aux_descs: list[bytes] = []
+    if version >= SELF_DESCRIBING_SINCE:  # 1.2: the aux descriptors get their own list
+        nkv = len(kv.k_base_addrs) + len(kv.v_base_addrs)
+        kv_descs, aux_descs = kv_descs[:nkv], kv_descs[nkv:]
     aux = memory.aux
     return wire.RegisterInfo(
         endpoint=endpoint,
@@ -249,6 +302,7 @@ def register_info(
         aux_item_lens=_u64([a.bytes_per_item for a in aux]),
         kv_mem_descs=kv_descs,
         state_components=comps,
+        aux_mem_descs=aux_descs,
     )
 
 
@@ -256,11 +310,203 @@ def _ints(a: np.ndarray) -> tuple[int, ...]:
     return tuple(int(x) for x in a)
 
 
-def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
-    """The decode rank's memory as the planner models it, shaped after ``local``'s components.
+def _split_layers(ci: int, wc: wire.StateComponent, nt: int) -> int:
+    n = len(wc.base_addrs)
+    if n == 0 or n % nt:
+        raise HandshakeError(f"state component {ci}: {n} tensor entries do not split into {nt} tensors")
+    for name in ("region_lens", "bytes_per_slot"):
+        if len(getattr(wc, name)) != n:
+            raise HandshakeError(
+                f"RegisterInfo.state_components[{ci}].{name}: {len(getattr(wc, name))} entries "
+                f"for {n} base addresses"
+            )
+    return n // nt
 
+
+def _borrowed_component(
+    ci: int, wc: wire.StateComponent, lc: StateComponent, info: wire.RegisterInfo, layout: Layout
+) -> StateComponent:
+    """A 1.1/1.0 component: tensor names, count, indexing and replication from the local model."""
+    g = info.geometry
+    layers = _split_layers(ci, wc, len(lc.tensors))
+    n = len(wc.base_addrs)
+    shard = _ints(wc.shard_axis_sizes) or (0,) * n
+    per_slot = _ints(wc.bytes_per_slot)
+    tensors = []
+    heads: HeadGeometry | None = None
+    for ti, lt in enumerate(lc.tensors):
+        sl = slice(ti * layers, (ti + 1) * layers)
+        full = shard[sl.start]
+        blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
+        axis = None
+        if lc.heads is not None and full:
+            hpr = max(1, full // g.tp_size)
+            heads = HeadGeometry(
+                info.page_size, layout, hpr, full, per_slot[sl.start] // (info.page_size * hpr)
+            )
+        elif full:
+            axis = full // g.tp_size
+        tensors.append(
+            StateTensor(
+                lt.name,
+                _ints(wc.base_addrs[sl]),
+                _ints(wc.region_lens[sl]),
+                per_slot[sl.start],
+                axis,
+                blocks or None,
+            )
+        )
+    replicated = heads is None and all(t.sharded_axis_size is None for t in tensors) and lc.replicated
+    indexing = Indexing.SLOT if lc.kind is StateKind.MAMBA else Indexing.PAGE
+    return StateComponent(
+        lc.kind, indexing, tuple(tensors), replicated=replicated, heads=heads, memory_kind=lc.memory_kind
+    )
+
+
+def _described_component(
+    ci: int, wc: wire.StateComponent, lc: StateComponent, tp_size: int
+) -> StateComponent:
+    """A 1.2 component, from its own registration (only the memory kind is this side's)."""
+    where = f"state_components[{ci}] ({lc.kind.value})"
+    names = list(wc.tensor_names)
+    if len(set(names)) != len(names):
+        raise RegistrationMismatch(where, "", "tensor_names", f"names repeat: {names}")
+    layers = _split_layers(ci, wc, len(names))
+    indexing = _WIRE_TO_INDEXING.get(wire.StateIndexing(wc.indexing))
+    if indexing is None:
+        raise RegistrationMismatch(
+            where, "", "indexing", "unspecified although the component names its tensors"
+        )
+    sharding = wire.StateSharding(wc.sharding)
+    if sharding == wire.StateSharding.UNSPECIFIED:
+        raise RegistrationMismatch(
+            where, "", "sharding", "unspecified although the component names its tensors"
+        )
+    if (wc.heads is not None) != (sharding == wire.StateSharding.HEADS):
+        raise RegistrationMismatch(
+            where,
+            "",
+            "heads",
+            f"{'present' if wc.heads is not None else 'absent'} with sharding {sharding.name.lower()}",
+        )
+    heads = None
+    if wc.heads is not None:
+        h = wc.heads
+        heads = HeadGeometry(
+            h.page_size,
+            _WIRE_TO_LAYOUT[wire.KvLayout(h.layout)],
+            h.kv_heads_per_rank,
+            h.kv_heads_total,
+            h.bytes_per_head,
+        )
+    n = len(wc.base_addrs)
+    shard = _ints(wc.shard_axis_sizes) or (0,) * n
+    if len(shard) != n:
+        raise RegistrationMismatch(
+            where, "", "shard_axis_sizes", f"{len(shard)} entries for {n} base addresses"
+        )
+    if wc.sub_blocks and len(wc.sub_blocks) != n:
+        raise RegistrationMismatch(
+            where, "", "sub_blocks", f"{len(wc.sub_blocks)} entries for {n} base addresses"
+        )
+    per_slot = _ints(wc.bytes_per_slot)
+    tensors = []
+    for ti, name in enumerate(names):
+        sl = slice(ti * layers, (ti + 1) * layers)
+        full = shard[sl.start]
+        axis = full // tp_size if sharding == wire.StateSharding.AXIS and full else None
+        blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
+        tensors.append(
+            StateTensor(
+                name,
+                _ints(wc.base_addrs[sl]),
+                _ints(wc.region_lens[sl]),
+                per_slot[sl.start],
+                axis,
+                blocks or None,
+            )
+        )
+    return StateComponent(
+        lc.kind,
+        indexing,
+        tuple(tensors),
+        replicated=sharding == wire.StateSharding.REPLICATED,
+        heads=heads,
+        memory_kind=lc.memory_kind,
+    )
+
+
+def _check_against_local(
+    where: str, peer: StateComponent, lc: StateComponent, peer_tp: int, local: RankMemory
+) -> None:
+    """Refuse a self-described component whose structure differs from this side's model.
+
+    Per-rank sizes may differ with TP (a sharded tensor's slot is the rank's share), so sharded
+    sizes are compared as full (unsharded) sizes; layer counts may differ with PP and are the
+    planner's to check.
+    """
+    peer_names, local_names = [t.name for t in peer.tensors], [t.name for t in lc.tensors]
+    if peer_names != local_names:
+        raise RegistrationMismatch(
+            where, "", "tensor_names", f"peer has {peer_names}, this side {local_names}"
+        )
+    if peer.indexing is not lc.indexing:
+        raise RegistrationMismatch(
+            where, "", "indexing", f"peer indexes by {peer.indexing.value}, this side by {lc.indexing.value}"
+        )
+    peer_sh, local_sh = _sharding(peer), _sharding(lc)
+    if peer_sh != local_sh:
+        raise RegistrationMismatch(
+            where, "", "sharding", f"peer is {peer_sh.name.lower()}, this side {local_sh.name.lower()}"
+        )
+    local_tp = local.position.tp_size
+    if peer.heads is not None and lc.heads is not None:
+        for name in ("page_size", "total_kv_heads", "bytes_per_head"):
+            a, b = getattr(peer.heads, name), getattr(lc.heads, name)
+            if a != b:
+                raise RegistrationMismatch(where, "", f"heads.{name}", f"peer has {a}, this side {b}")
+    for pt, lt in zip(peer.tensors, lc.tensors, strict=True):
+        if peer_sh == wire.StateSharding.REPLICATED and pt.bytes_per_slot != lt.bytes_per_slot:
+            raise RegistrationMismatch(
+                where,
+                pt.name,
+                "bytes_per_slot",
+                f"peer has {pt.bytes_per_slot}, this side {lt.bytes_per_slot}",
+            )
+        if peer_sh == wire.StateSharding.AXIS:
+            p_full = None if pt.sharded_axis_size is None else pt.sharded_axis_size * peer_tp
+            l_full = None if lt.sharded_axis_size is None else lt.sharded_axis_size * local_tp
+            if p_full != l_full:
+                raise RegistrationMismatch(
+                    where,
+                    pt.name,
+                    "shard_axis_sizes",
+                    f"full sharded axis: peer {p_full}, this side {l_full}",
+                )
+            # an even split along the axis: the whole slot is the rank's share times TP
+            if pt.bytes_per_slot * peer_tp != lt.bytes_per_slot * local_tp:
+                raise RegistrationMismatch(
+                    where,
+                    pt.name,
+                    "bytes_per_slot",
+                    f"full slot bytes: peer {pt.bytes_per_slot} x TP {peer_tp}, "
+                    f"this side {lt.bytes_per_slot} x TP {local_tp}",
+                )
+        if (pt.sub_block_sizes or ()) != (lt.sub_block_sizes or ()):
+            raise RegistrationMismatch(
+                where, pt.name, "sub_blocks", f"peer has {pt.sub_block_sizes}, this side {lt.sub_block_sizes}"
+            )
+
+
+def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
+    """The decode rank's memory as the planner models it.
+
+    A self-described component (1.2) is built from the registration and validated against
+    ``local``'s; a 1.1 or 1.0 component is shaped after ``local``'s (see the module doc).
     Raises :class:`HandshakeError` naming the field when the registration cannot describe a
-    peer of this model (component count or kind, per-layer counts, page geometry).
+    peer of this model (component count or kind, per-layer counts, page geometry), and its
+    subclass :class:`RegistrationMismatch` naming component, tensor and field when a
+    self-described component disagrees with this side's.
     """
     g = info.geometry
     per_page = _ints(info.bytes_per_page)
@@ -287,43 +533,12 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
             raise HandshakeError(
                 f"state component {ci}: peer has {wire.StateType(wc.type).name}, this side {lc.kind.name}"
             )
-        n, nt = len(wc.base_addrs), len(lc.tensors)
-        if n == 0 or n % nt:
-            raise HandshakeError(f"state component {ci}: {n} tensor entries do not split into {nt} tensors")
-        layers = n // nt
-        shard = _ints(wc.shard_axis_sizes) or (0,) * n
-        per_slot = _ints(wc.bytes_per_slot)
-        tensors = []
-        heads: HeadGeometry | None = None
-        for ti, lt in enumerate(lc.tensors):
-            sl = slice(ti * layers, (ti + 1) * layers)
-            full = shard[sl.start]
-            blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
-            axis = None
-            if lc.heads is not None and full:
-                hpr = max(1, full // g.tp_size)
-                heads = HeadGeometry(
-                    info.page_size, layout, hpr, full, per_slot[sl.start] // (info.page_size * hpr)
-                )
-            elif full:
-                axis = full // g.tp_size
-            tensors.append(
-                StateTensor(
-                    lt.name,
-                    _ints(wc.base_addrs[sl]),
-                    _ints(wc.region_lens[sl]),
-                    per_slot[sl.start],
-                    axis,
-                    blocks or None,
-                )
-            )
-        replicated = heads is None and all(t.sharded_axis_size is None for t in tensors) and lc.replicated
-        indexing = Indexing.SLOT if kind is StateKind.MAMBA else Indexing.PAGE
-        state.append(
-            StateComponent(
-                kind, indexing, tuple(tensors), replicated=replicated, heads=heads, memory_kind=lc.memory_kind
-            )
-        )
+        if wc.tensor_names:
+            comp = _described_component(ci, wc, lc, g.tp_size)
+            _check_against_local(f"state_components[{ci}] ({kind.value})", comp, lc, g.tp_size, local)
+        else:
+            comp = _borrowed_component(ci, wc, lc, info, layout)
+        state.append(comp)
     names = [a.name for a in local.aux]
     aux_lens, items = _ints(info.aux_lens), _ints(info.aux_item_lens)
     if len(info.aux_base_addrs) != len(names):

@@ -2,9 +2,12 @@
 
 Every control message is built and parsed by the generated codecs (``pdwire.wire``); this
 module only moves their frames. Per connection (one decode rank) it runs the handshake
-(Hello both ways, then RegisterInfo answered by a ``TransferStatus`` for the reserved room
-0: Success, or Failed with the reason), keeps the prepared planner peer, and turns the
-session's actions into encoded messages and backend posts.
+(Hello both ways, then RegisterInfo answered by a ``RegisterAck`` when the peers agreed on
+1.2 or newer, by a ``TransferStatus`` for the reserved room 0 for 1.1 and 1.0 peers, which
+cannot decode the newer type: Success, or Failed with the reason), keeps the prepared
+planner peer, and turns the session's actions into encoded messages and backend posts.
+Failures travel typed (``failure_kind``) from 1.2 and as a ``"<kind>: "`` reason prefix to
+older peers (``failures.failure_to_wire``).
 
 A part whose plan is empty (nothing to write: a replicated tensor another prefill rank
 writes, a prefix-cache hit) cannot ride on an engine write, so its Notification travels on
@@ -36,7 +39,7 @@ from pdwire.runtime.session.actions import (
     SendStatus,
     StatePart,
 )
-from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
+from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_to_wire
 from pdwire.runtime.session.handshake import (
     Identity,
     check_descriptors,
@@ -50,7 +53,8 @@ from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
 
-REGISTER_ROOM = 0  # TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
+REGISTER_ROOM = 0  # before 1.2, TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
+REGISTER_ACK_SINCE = (1, 2)  # first version with RegisterAck
 
 
 @dataclass
@@ -213,14 +217,11 @@ class PrefillWorker:
         self._send(conn, self.hello)  # always answer: the peer runs the same checks and names the cause
 
     def _on_register(self, conn: _Conn, info: wire.RegisterInfo) -> None:
-        def refuse(reason: str) -> None:
-            status = wire.TransferStatus(
-                room=REGISTER_ROOM, status=wire.Status.FAILED, sender_rank=self.sender_rank, reason=reason
-            )
-            self._send(conn, status)
+        def refuse(failure: Failure) -> None:
+            self._send(conn, self._register_answer(conn, failure))
 
         if conn.peer is None or conn.version is None:
-            refuse(Failure(FailureKind.HANDSHAKE, conn.refused or "RegisterInfo before a Hello").reason)
+            refuse(Failure(FailureKind.HANDSHAKE, conn.refused or "RegisterInfo before a Hello"))
             return
         try:
             remote = remote_memory(info, self.caches.memory)
@@ -231,22 +232,36 @@ class PrefillWorker:
             md = PeerMetadata(info.agent_name, bytes(info.agent_metadata), join_region_descs(info))
             backend_peer = self.backend.add_peer(md)
         except (HandshakeError, PlanError, BackendError) as exc:
-            refuse(Failure(FailureKind.HANDSHAKE, f"{type(exc).__name__}: {exc}").reason)
+            refuse(Failure(FailureKind.HANDSHAKE, f"{type(exc).__name__}: {exc}"))
             return
         conn.plan, conn.backend_peer = plan, backend_peer
         self._by_peer[conn.peer] = conn
-        ok = wire.TransferStatus(room=REGISTER_ROOM, status=wire.Status.SUCCESS, sender_rank=self.sender_rank)
-        self._send(conn, ok)
+        self._send(conn, self._register_answer(conn, None))
+
+    def _register_answer(self, conn: _Conn, failure: Failure | None) -> wire.Message:
+        """RegisterAck at 1.2 or newer; a TransferStatus for room 0 for older or unknown versions
+        (a refused Hello leaves the version unknown, and every version reads TransferStatus)."""
+        kind, reason = failure_to_wire(failure, conn.version)
+        if conn.version is not None and conn.version >= REGISTER_ACK_SINCE:
+            return wire.RegisterAck(
+                accepted=failure is None, sender_rank=self.sender_rank, failure_kind=kind, reason=reason
+            )
+        status = wire.Status.SUCCESS if failure is None else wire.Status.FAILED
+        return wire.TransferStatus(
+            room=REGISTER_ROOM, status=status, sender_rank=self.sender_rank, failure_kind=kind, reason=reason
+        )
 
     def _on_request(self, conn: _Conn, req: wire.TransferRequest) -> None:
         room = int(req.room)
         if conn.plan is None or conn.peer is None:
             reason = Failure(FailureKind.VALIDATION, "TransferRequest from a peer that is not registered")
-            self._send(conn, self._status(room, RoomStatus.FAILED, reason))
+            self._send(conn, self._status(conn, room, RoomStatus.FAILED, reason))
             return
         if bool(req.is_dummy) != conn.plan.is_dummy:
             why = f"request says is_dummy={req.is_dummy}, the rank routing says {conn.plan.is_dummy}"
-            self._send(conn, self._status(room, RoomStatus.FAILED, Failure(FailureKind.VALIDATION, why)))
+            self._send(
+                conn, self._status(conn, room, RoomStatus.FAILED, Failure(FailureKind.VALIDATION, why))
+            )
             return
         comps = tuple(i for i, idx in enumerate(req.state_indices) if idx is not None and len(idx) > 0)
         target = Target(conn.peer, conn.plan.is_dummy, comps, conn.plan.writes_aux and req.dst_aux_index >= 0)
@@ -258,12 +273,17 @@ class PrefillWorker:
 
     # ------------------------------------------------------------------ actions out
 
-    def _status(self, room: int, status: RoomStatus, failure: Failure | None) -> wire.TransferStatus:
+    def _status(
+        self, conn: _Conn, room: int, status: RoomStatus, failure: Failure | None
+    ) -> wire.TransferStatus:
+        # typed failure_kind from 1.2; a "<kind>: " reason prefix for older peers
+        kind, reason = failure_to_wire(failure, conn.version)
         return wire.TransferStatus(
             room=room,
             status=wire.Status(int(status)),
             sender_rank=self.sender_rank,
-            reason=failure.reason if failure else "",
+            reason=reason,
+            failure_kind=kind,
         )
 
     def _run(self, actions: list[Action]) -> None:
@@ -273,7 +293,7 @@ class PrefillWorker:
             elif isinstance(a, SendStatus):
                 conn = self._by_peer.get(a.peer)
                 if conn is not None:
-                    self._send(conn, self._status(a.room, a.status, a.failure))
+                    self._send(conn, self._status(conn, a.room, a.status, a.failure))
             elif isinstance(a, SendAbortAck):
                 conn = self._by_peer.get(a.peer)
                 if conn is not None:

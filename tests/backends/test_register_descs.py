@@ -34,31 +34,44 @@ def caches(mla: bool, tp: int = 2, rank: int = 1) -> RankCaches:
     return build_caches(spec, tp, rank, CAP, np.zeros(bytes_needed(spec, tp, rank, CAP), dtype=np.uint8))
 
 
-def roundtrip(info: wire.RegisterInfo) -> wire.RegisterInfo:
-    msg = wire.decode([bytes(f) for f in wire.encode(info, (1, 1))])
+def roundtrip(info: wire.RegisterInfo, version: tuple[int, int] = wire.NEWEST) -> wire.RegisterInfo:
+    msg = wire.decode([bytes(f) for f in wire.encode(info, version)])
     assert isinstance(msg, wire.RegisterInfo)
     return msg
 
 
-def info_with(c: RankCaches, descs: tuple[bytes, ...]) -> wire.RegisterInfo:
+def info_with(
+    c: RankCaches, descs: tuple[bytes, ...], version: tuple[int, int] = wire.NEWEST
+) -> wire.RegisterInfo:
     return register_info(
-        c.memory, endpoint="e", engine_id="d", agent_name="a", agent_metadata=b"", region_descs=descs
+        c.memory,
+        endpoint="e",
+        engine_id="d",
+        agent_name="a",
+        agent_metadata=b"",
+        region_descs=descs,
+        version=version,
     )
 
 
+@pytest.mark.parametrize("version", [(1, 1), (1, 2)], ids=["1.1", "1.2"])
 @pytest.mark.parametrize("mla", MODELS)
-def test_descriptors_travel_in_region_order(mla: bool) -> None:
+def test_descriptors_travel_in_region_order(mla: bool, version: tuple[int, int]) -> None:
     c = caches(mla)
     regions = c.regions()
     descs = tuple(f"desc-{i}-{r.name}".encode() for i, r in enumerate(regions))
-    info = roundtrip(info_with(c, descs))
+    info = roundtrip(info_with(c, descs, version), version)
     assert join_region_descs(info) == descs
     # split like the memory: every state component carries exactly its own regions' blobs
     for ci, comp in enumerate(info.state_components):
         assert len(comp.mem_descs) == len(comp.base_addrs) > 0
         assert all(d.split(b"-")[2].startswith(f"state{ci}.".encode()) for d in comp.mem_descs)
     names = [d.split(b"-", 2)[2] for d in info.kv_mem_descs]
-    assert names[-1].startswith(b"aux.") and all(n.startswith(b"kv.") for n in names[:-1])
+    aux = [d.split(b"-", 2)[2] for d in info.aux_mem_descs]
+    if version >= (1, 2):  # the aux buffers' own list
+        assert aux and all(n.startswith(b"aux.") for n in aux) and all(n.startswith(b"kv.") for n in names)
+    else:  # 1.1 has no aux list: they ride at the tail of kv_mem_descs
+        assert aux == [] and names[-1].startswith(b"aux.") and all(n.startswith(b"kv.") for n in names[:-1])
 
 
 def test_address_engines_send_no_descriptors() -> None:

@@ -117,6 +117,19 @@ def test_older_compatible_version_still_works(cluster: Cluster) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "mori-fake"])
+def test_a_1_1_peer_still_works(cluster: Cluster, backend: str) -> None:
+    # 1.1 carries the whole model (several components); over MoRI the aux descriptors ride at the
+    # tail of kv_mem_descs, and the registration is answered by a TransferStatus for room 0
+    pre = cluster.start("prefill", 2, f"v11-pre-{backend}", backend=backend)
+    old = cluster.start("decode", 1, f"v11-old-{backend}", versions=((1, 1),), backend=backend)
+    assert cluster.connect(old, pre) == [""]
+    _ok(cluster, [cluster.submit(old, pre, 60, 21), cluster.submit(old, pre, 61, 9)])
+    stats, problems = cluster.stop(old)[0]
+    assert problems == [] and stats["versions"] == [f"v11-pre-{backend}/0=1.1", f"v11-pre-{backend}/1=1.1"]
+
+
+@pytest.mark.slow
 def test_incompatible_major_and_other_model_are_refused_at_the_handshake(cluster: Cluster) -> None:
     pre = cluster.start("prefill", 1, "skew-pre")
     future = cluster.start("decode", 1, "skew-future", versions=((2, 0),))

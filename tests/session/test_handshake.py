@@ -7,8 +7,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from pdwire.runtime.demo_model import Capacity, ModelSpec, build_caches, bytes_needed
-from pdwire.runtime.planner import prepare_peer
-from pdwire.runtime.session.failures import HandshakeError
+from pdwire.runtime.planner import Indexing, prepare_peer
+from pdwire.runtime.session.failures import (
+    Failure,
+    FailureKind,
+    HandshakeError,
+    RegistrationMismatch,
+    failure_from_wire,
+    failure_to_wire,
+)
 from pdwire.runtime.session.handshake import Identity, check_hello, register_info, remote_memory
 
 from pdwire import wire
@@ -65,16 +72,22 @@ def test_mismatches_are_refused_by_name(remote: Identity, needle: str) -> None:
         check_hello(ident(wire.Role.PREFILL).hello(), remote.hello())
 
 
+@pytest.mark.parametrize("version", [(1, 1), (1, 2)], ids=["1.1-borrowed", "1.2-self-described"])
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 4), (4, 2)])
-def test_register_info_rebuilds_the_decode_memory_exactly(p: int, d: int, mla: bool) -> None:
+def test_register_info_rebuilds_the_decode_memory_exactly(
+    p: int, d: int, mla: bool, version: tuple[int, int]
+) -> None:
     spec = replace(SMALL, mla=mla)
     pre, _a = caches(spec, p, 0)
     dec, _b = caches(spec, d, d - 1)
     info = register_info(
         dec.memory, endpoint="tcp://127.0.0.1:1", engine_id="e", agent_name="a", agent_metadata=b"x"
     )
-    got = remote_memory(roundtrip(info, (1, 1)), pre.memory)  # type: ignore[arg-type]
+    sent = roundtrip(info, version)
+    assert isinstance(sent, wire.RegisterInfo)
+    assert all(bool(c.tensor_names) == (version >= (1, 2)) for c in sent.state_components)
+    got = remote_memory(sent, pre.memory)  # type: ignore[arg-type]
     assert got == dec.memory
 
 
@@ -94,3 +107,116 @@ def test_register_info_with_the_wrong_component_count_is_refused() -> None:
     info = register_info(dec.memory, endpoint="e", engine_id="e", agent_name="a", agent_metadata=b"")
     with pytest.raises(HandshakeError, match="peer has 1 components, this side 2"):
         remote_memory(info, pre.memory)
+
+
+def _tamper(memory, ci: int, **changes: object):  # type: ignore[no-untyped-def]
+    """``memory`` with state component ``ci`` changed (what a skewed decode build would register)."""
+    state = list(memory.state)
+    state[ci] = replace(state[ci], **changes)
+    return replace(memory, state=tuple(state))
+
+
+def _register(memory, version: tuple[int, int] = wire.NEWEST) -> wire.RegisterInfo:  # type: ignore[no-untyped-def]
+    info = register_info(
+        memory, endpoint="e", engine_id="e", agent_name="a", agent_metadata=b"", version=version
+    )
+    got = roundtrip(info, version)
+    assert isinstance(got, wire.RegisterInfo)
+    return got
+
+
+def test_a_self_described_component_that_disagrees_is_refused_by_component_tensor_and_field() -> None:
+    pre, _a = caches(SMALL, 2, 0)
+    dec, _b = caches(SMALL, 2, 1)
+    mamba, swa = dec.memory.state  # GQA model: Mamba (axis-sharded, slots), SWA (head-sharded pages)
+    renamed = _tamper(dec.memory, 0, tensors=(replace(mamba.tensors[0], name="conv_x"), mamba.tensors[1]))
+    with pytest.raises(
+        RegistrationMismatch, match=r"state_components\[0\] \(mamba\), field tensor_names"
+    ) as e:
+        remote_memory(_register(renamed), pre.memory)
+    assert (e.value.component, e.value.tensor, e.value.field) == (
+        "state_components[0] (mamba)",
+        "",
+        "tensor_names",
+    )
+    assert "conv_x" in str(e.value)
+    # a 1.1 peer cannot say so: its structure is borrowed from this side's model (documented)
+    assert remote_memory(_register(renamed, (1, 1)), pre.memory).state[0].tensors[0].name == "conv"
+
+    blocks = _tamper(
+        dec.memory, 0, tensors=(replace(mamba.tensors[0], sub_block_sizes=(16, 16)), mamba.tensors[1])
+    )
+    with pytest.raises(RegistrationMismatch) as e:
+        remote_memory(_register(blocks), pre.memory)
+    assert (e.value.tensor, e.value.field) == ("conv", "sub_blocks")
+
+    temporal = mamba.tensors[1]  # twice the bytes over the same sharded axis: a different state dtype
+    wider = _tamper(
+        dec.memory,
+        0,
+        tensors=(mamba.tensors[0], replace(temporal, bytes_per_slot=2 * temporal.bytes_per_slot)),
+    )
+    with pytest.raises(RegistrationMismatch) as e:
+        remote_memory(_register(wider), pre.memory)
+    assert (e.value.tensor, e.value.field) == ("temporal", "bytes_per_slot")
+
+    assert swa.heads is not None
+    replicated = _tamper(dec.memory, 1, heads=None, replicated=True)
+    with pytest.raises(
+        RegistrationMismatch,
+        match=r"state_components\[1\] \(swa\), field sharding: peer is replicated, this side heads",
+    ):
+        remote_memory(_register(replicated), pre.memory)
+    by_slot = _tamper(dec.memory, 1, indexing=Indexing.SLOT)
+    with pytest.raises(RegistrationMismatch, match="field indexing: peer indexes by slot, this side by page"):
+        remote_memory(_register(by_slot), pre.memory)
+    fatter = _tamper(dec.memory, 1, heads=replace(swa.heads, bytes_per_head=2 * swa.heads.bytes_per_head))
+    with pytest.raises(RegistrationMismatch, match=r"field heads\.bytes_per_head"):
+        remote_memory(_register(fatter), pre.memory)
+    # the untampered registration is accepted and is exactly the decode rank's memory
+    assert remote_memory(_register(dec.memory), pre.memory) == dec.memory
+
+
+def test_a_self_description_that_contradicts_itself_is_refused() -> None:
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    info = _register(dec.memory)
+    swa = info.state_components[1]
+    no_heads = replace_struct(info, 1, heads=None)
+    with pytest.raises(RegistrationMismatch, match="field heads: absent with sharding heads"):
+        remote_memory(no_heads, pre.memory)
+    unindexed = replace_struct(info, 1, indexing=wire.StateIndexing.UNSPECIFIED)
+    with pytest.raises(RegistrationMismatch, match="field indexing: unspecified"):
+        remote_memory(unindexed, pre.memory)
+    three = replace_struct(info, 1, tensor_names=["k", "v", "x"])
+    with pytest.raises(
+        HandshakeError, match=f"{len(swa.base_addrs)} tensor entries do not split into 3 tensors"
+    ):
+        remote_memory(three, pre.memory)
+
+
+def replace_struct(info: wire.RegisterInfo, ci: int, **changes: object) -> wire.RegisterInfo:
+    import msgspec
+
+    comps = list(info.state_components)
+    comps[ci] = msgspec.structs.replace(comps[ci], **changes)
+    return msgspec.structs.replace(info, state_components=comps)
+
+
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_failures_travel_typed_from_1_2_and_as_a_reason_prefix_before(kind: FailureKind) -> None:
+    f = Failure(kind, "detail: with a colon")
+    wk, reason = failure_to_wire(f, (1, 2))
+    if kind is FailureKind.REMOTE:  # not a wire kind: the prefix form at every version
+        assert (wk, reason) == (wire.FailureKind.UNSPECIFIED, f.reason)
+    else:
+        assert wk.name == kind.name and reason == f.detail
+    for version in ((1, 2), (1, 1), (1, 0)):
+        kind_sent, reason_sent = failure_to_wire(f, version)
+        status = wire.TransferStatus(
+            room=9, status=wire.Status.FAILED, sender_rank=0, failure_kind=kind_sent, reason=reason_sent
+        )
+        got = roundtrip(status, version)  # a 1.1 writer's encoder would refuse a typed kind
+        assert isinstance(got, wire.TransferStatus)
+        assert failure_from_wire(got.failure_kind, got.reason) == f
+    assert failure_to_wire(f, None) == (wire.FailureKind.UNSPECIFIED, f.reason)  # version not agreed yet
