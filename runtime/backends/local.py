@@ -35,7 +35,7 @@ from pdwire.runtime.backends.base import (
     failed,
     pid_alive,
 )
-from pdwire.runtime.backends.worker import Job, JobWorker
+from pdwire.runtime.backends.worker import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 _CANCEL_CHECK_ROWS = 256  # rows between checks of the cancel flag and the peer's liveness
@@ -65,8 +65,11 @@ class _PeerMaps:
         return self.delta
 
 
-class LocalBackend(Backend):
+class LocalBackend(JobTransfers, Backend):
     name = "local"
+    # Wait for the worker to leave a job (a few row copies at most) before anyone unmaps the
+    # peer's memory; queued jobs are skipped when the worker reaches them.
+    abort_wait_s = 10.0
 
     def __init__(self, agent_name: str | None = None, transfer_timeout_s: float = 30.0) -> None:
         super().__init__(agent_name, transfer_timeout_s)
@@ -159,20 +162,6 @@ class LocalBackend(Backend):
             return DONE
 
         handle.engine = self._worker.submit(run)
-
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
-        job: Job = handle.engine
-        return job.poll()
-
-    def _abort(self, handle: TransferHandle) -> None:
-        job: Job | None = handle.engine
-        if job is not None:
-            # Wait for the worker to leave this job (a few row copies at most) before anyone
-            # unmaps the peer's memory; queued jobs are skipped when the worker reaches them.
-            job.abort(wait_s=10.0)
-
-    def _release(self, handle: TransferHandle) -> None:
-        handle.engine = None
 
     def _receive_notifications(self) -> list[Notification]:
         return [Notification(s, p) for s, p in self._inbox.receive()]

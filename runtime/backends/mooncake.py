@@ -45,7 +45,7 @@ from pdwire.runtime.backends.base import (
     encode_envelope,
     failed,
 )
-from pdwire.runtime.backends.worker import Job, JobWorker
+from pdwire.runtime.backends.worker import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 
@@ -57,8 +57,10 @@ def _from_msg(msg: str) -> bytes:
     return msg.encode("latin-1")
 
 
-class MooncakeBackend(Backend):
+class MooncakeBackend(JobTransfers, Backend):
     name = "mooncake"
+    # A chunk in flight cannot be cancelled inside Mooncake; do not wait for it long.
+    abort_wait_s = 0.5
 
     def __init__(
         self,
@@ -133,19 +135,6 @@ class MooncakeBackend(Backend):
             return DONE
 
         handle.engine = self._worker.submit(run)
-
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
-        job: Job = handle.engine
-        return job.poll()
-
-    def _abort(self, handle: TransferHandle) -> None:
-        job: Job | None = handle.engine
-        if job is not None:
-            # A chunk in flight cannot be cancelled inside Mooncake; do not wait for it long.
-            job.abort(wait_s=0.5)
-
-    def _release(self, handle: TransferHandle) -> None:
-        handle.engine = None
 
     def _receive_notifications(self) -> list[Notification]:
         got: list[Any] = self._engine.get_notifies()

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdwire.runtime.backends.base import PENDING, TransferStatus, failed
+from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
 
 
 @dataclass(eq=False)
@@ -57,3 +57,26 @@ class JobWorker:
     def stop(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=timeout_s)
+
+
+class JobTransfers:
+    """The poll/abort/release hooks of a backend whose transfers run as :class:`Job` s.
+
+    Mix in before :class:`~pdwire.runtime.backends.base.Backend`; ``_post`` stores the
+    submitted job in ``handle.engine``. ``abort_wait_s`` bounds how long an abort waits for
+    the worker to leave the job (it must leave before peer memory may be unmapped).
+    """
+
+    abort_wait_s: float = 10.0
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        job: Job = handle.engine
+        return job.poll()
+
+    def _abort(self, handle: TransferHandle) -> None:
+        job: Job | None = handle.engine
+        if job is not None:
+            job.abort(wait_s=self.abort_wait_s)
+
+    def _release(self, handle: TransferHandle) -> None:
+        handle.engine = None
