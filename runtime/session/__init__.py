@@ -1,8 +1,8 @@
 """Control plane and sessions: pure per-room state machines plus the pyzmq edge that drives them.
 
 The pure core (``status``, ``failures``, ``actions``, ``prefill_room``, ``prefill_session``,
-``decode_room``, ``decode_session``) takes values and returns actions, in the manner of h11;
-sockets, engines and clocks live only in the driver modules.
+``decode_room``, ``decode_session``, ``room_table``) takes values and returns actions, in the
+manner of h11; sockets, engines and clocks live only in the driver modules.
 """
 
 from pdwire.runtime.session.actions import (

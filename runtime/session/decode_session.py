@@ -7,21 +7,20 @@ never reaches (or confuses) a prefill rank.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom
+from pdwire.runtime.session.actions import Action, ReleaseRoom
 from pdwire.runtime.session.decode_room import DecodeRoom, PartKind, SenderPlan
 from pdwire.runtime.session.failures import DuplicateRoomError, Failure
+from pdwire.runtime.session.room_table import RoomTable
 from pdwire.runtime.session.status import RoomStatus
 
 
-class DecodeSession:
+class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
+    """Live rooms by id; ``tombstones`` holds the final status of recently finished ones."""
+
     def __init__(self, room_timeout_s: float = 30.0, tombstones: int = 65536) -> None:
-        self.room_timeout_s = room_timeout_s
-        self.rooms: dict[int, DecodeRoom] = {}
-        self.finished: OrderedDict[int, RoomStatus] = OrderedDict()
-        self._max_tombstones = tombstones
+        super().__init__(room_timeout_s, tombstones)
         self.stray_completions = 0  # completions for rooms already over (late, harmless)
 
     def start_room(
@@ -36,16 +35,13 @@ class DecodeSession:
         """Raise DuplicateRoomError if ``room`` is in flight or finished recently."""
         if room in self.rooms:
             raise DuplicateRoomError(room, "still in flight on this decode rank")
-        if room in self.finished:
-            raise DuplicateRoomError(room, f"finished {self.finished[room].name} recently")
+        if room in self.tombstones:
+            raise DuplicateRoomError(room, f"finished {self.tombstones[room].name} recently")
 
     def _settle(self, actions: list[Action]) -> list[Action]:
         for a in actions:
             if isinstance(a, ReleaseRoom):
-                self.rooms.pop(a.room, None)
-                self.finished[a.room] = a.status
-                while len(self.finished) > self._max_tombstones:
-                    self.finished.popitem(last=False)
+                self._bury(a.room, a.status)
         return actions
 
     def on_notification(
@@ -70,19 +66,3 @@ class DecodeSession:
     def abort(self, room: int, failure: Failure) -> list[Action]:
         r = self.rooms.get(room)
         return [] if r is None else self._settle(r.abort(failure))
-
-    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
-        actions: list[Action] = []
-        for r in list(self.rooms.values()):
-            actions += self._settle(r.on_peer_lost(peer))
-        return actions
-
-    def on_tick(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for r in list(self.rooms.values()):
-            if now >= r.deadline:
-                actions += self._settle(r.on_tick(now))
-        return actions
-
-    def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self.rooms.values()), default=None)

@@ -8,7 +8,6 @@ that would never complete.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdwire.runtime.session.actions import (
@@ -21,6 +20,7 @@ from pdwire.runtime.session.actions import (
 )
 from pdwire.runtime.session.failures import Failure, FailureKind
 from pdwire.runtime.session.prefill_room import PrefillRoom, Target
+from pdwire.runtime.session.room_table import RoomTable
 from pdwire.runtime.session.status import RoomStatus
 
 
@@ -31,12 +31,9 @@ class Tombstone:
     peers: frozenset[PeerRef]
 
 
-class PrefillSession:
+class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
     def __init__(self, room_timeout_s: float = 30.0, tombstones: int = 65536) -> None:
-        self.room_timeout_s = room_timeout_s
-        self.rooms: dict[int, PrefillRoom] = {}
-        self.tombstones: OrderedDict[int, Tombstone] = OrderedDict()
-        self._max_tombstones = tombstones
+        super().__init__(room_timeout_s, tombstones)
         self._xfer_room: dict[int, int] = {}
         self._xfer_counter = 0
 
@@ -59,10 +56,8 @@ class PrefillSession:
             elif isinstance(a, ReleaseRoom):
                 for x in a.xfer_ids:
                     self._xfer_room.pop(x, None)
-                r = self.rooms.pop(a.room)
-                self.tombstones[a.room] = Tombstone(a.status, a.failure, frozenset(r.targets))
-                while len(self.tombstones) > self._max_tombstones:
-                    self.tombstones.popitem(last=False)
+                targets = frozenset(self.rooms[a.room].targets)
+                self._bury(a.room, Tombstone(a.status, a.failure, targets))
         return actions
 
     # -- events ----------------------------------------------------------------------
@@ -116,26 +111,10 @@ class PrefillSession:
             return [SendAbortAck(peer, room)]
         return self._settle(r.on_abort(peer))
 
-    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
-        actions: list[Action] = []
-        for r in list(self.rooms.values()):
-            actions += self._settle(r.on_peer_lost(peer))
-        return actions
-
     def fail_room(self, room: int, failure: Failure) -> list[Action]:
         r = self.rooms.get(room)
         return [] if r is None else self._settle(r.fail(failure))
 
-    def on_tick(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for r in list(self.rooms.values()):
-            if now >= r.deadline:
-                actions += self._settle(r.on_tick(now))
-        return actions
-
     def room_of(self, xfer_id: int) -> int | None:
         """The room an in-flight transfer belongs to."""
         return self._xfer_room.get(xfer_id)
-
-    def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self.rooms.values()), default=None)
