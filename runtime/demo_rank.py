@@ -145,12 +145,10 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
         ident, caches, backend, ctx, room_timeout_s=cfg.room_timeout_s, on_release=released
     )
     conn.send(("ready", cfg.rank, worker.endpoint))
-    poller = zmq.Poller()
-    poller.register(worker.sock, zmq.POLLIN)
-    poller.register(conn.fileno(), zmq.POLLIN)
+    worker.poller.register(conn.fileno(), zmq.POLLIN)
     chunks: deque[tuple[float, int, int, int, bool]] = deque()  # due, room, start, stop, last
     while True:
-        events = worker.step(5 if chunks else 50, poller)
+        events = worker.step(5 if chunks else 50)
         now = time.monotonic()
         while chunks and chunks[0][0] <= now:
             _, room, start, stop, last = chunks.popleft()

@@ -27,8 +27,14 @@ from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbo
 from pdwire.runtime.session.decode_room import PartKind, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_from_wire
-from pdwire.runtime.session.handshake import Identity, check_descriptors, check_hello, register_info
-from pdwire.runtime.session.prefill_worker import REGISTER_ACK_SINCE, REGISTER_ROOM
+from pdwire.runtime.session.handshake import (
+    REGISTER_ACK_SINCE,
+    REGISTER_ROOM,
+    Identity,
+    check_descriptors,
+    check_hello,
+    register_info,
+)
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
@@ -83,8 +89,7 @@ class DecodeWorker:
         self.endpoint = f"decode:{identity.engine_id}/{identity.tp_rank}"
         self._links: dict[PeerRef, _Link] = {}
         self._engines: dict[str, int] = {}  # prefill engine id -> its TP size
-        self._room_engine: dict[int, str] = {}
-        self.poller = zmq.Poller()
+        self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
 
     # ------------------------------------------------------------------ handshake
 
@@ -187,7 +192,6 @@ class DecodeWorker:
             for p in route.prefill_ranks
         ]
         r = self.session.start_room(room, plans, time.monotonic(), timeout_s)
-        self._room_engine[room] = prefill_engine
         empty = np.zeros(0, dtype=np.int32)
         for plan in plans:
             link = self._links[plan.peer]
@@ -209,8 +213,9 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self, timeout_ms: int, poller: zmq.Poller | None = None) -> dict[Any, int]:
-        events = dict((poller or self.poller).poll(1 if self.session.rooms else timeout_ms))
+    def step(self, timeout_ms: int) -> dict[Any, int]:
+        """Poll once: control messages, engine notifications, deadlines. Returns poll events."""
+        events = dict(self.poller.poll(1 if self.session.rooms else timeout_ms))
         for link in self._links.values():
             if events.get(link.sock):
                 self._drain(link)
@@ -276,7 +281,6 @@ class DecodeWorker:
                     abort = wire.Abort(room=a.room, sender=self.endpoint, reason=a.failure.reason)
                     link.sock.send_multipart(wire.encode(abort, link.version))
             elif isinstance(a, ReleaseRoom):
-                self._room_engine.pop(a.room, None)
                 if a.status is RoomStatus.SUCCESS:
                     self.stats.rooms_ok += 1
                 else:

@@ -116,6 +116,8 @@ def check_hello(local: wire.Hello, remote: wire.Hello) -> tuple[int, int]:
 
 DESCRIPTORS_SINCE = (1, 1)  # first version whose StateComponent carries mem_descs
 SELF_DESCRIBING_SINCE = (1, 2)  # first version with StateComponent's self-description, aux_mem_descs
+REGISTER_ACK_SINCE = (1, 2)  # first version with RegisterAck
+REGISTER_ROOM = 0  # before 1.2, TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
 
 
 def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:

@@ -41,6 +41,8 @@ from pdwire.runtime.session.actions import (
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_to_wire
 from pdwire.runtime.session.handshake import (
+    REGISTER_ACK_SINCE,
+    REGISTER_ROOM,
     Identity,
     check_descriptors,
     check_hello,
@@ -52,9 +54,6 @@ from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
-
-REGISTER_ROOM = 0  # before 1.2, TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
-REGISTER_ACK_SINCE = (1, 2)  # first version with RegisterAck
 
 
 @dataclass
@@ -101,6 +100,8 @@ class PrefillWorker:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
+        self.poller.register(self.sock, zmq.POLLIN)
         self.session = PrefillSession(room_timeout_s)
         self.sender_rank = identity.tp_rank  # unique rank: tp_rank * (pp*cp) + ...; PP = CP = 1 here
         self.on_release = on_release
@@ -125,15 +126,12 @@ class PrefillWorker:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self, timeout_ms: int, poller: zmq.Poller | None = None) -> dict[Any, int]:
+    def step(self, timeout_ms: int) -> dict[Any, int]:
         """Poll once: control messages, transfer completions, deadlines. Returns poll events."""
-        if poller is None:
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
         wait = 0 if self._done_now else timeout_ms
         if self._handles:
             wait = min(wait, 1)
-        events = dict(poller.poll(wait))
+        events = dict(self.poller.poll(wait))
         if events.get(self.sock):
             self._drain()
         self._service()
