@@ -173,9 +173,7 @@ class Cluster:
         for c in decode.conns:
             c.send(("room", room, tokens, engine, timeout_s))
         if prefill_too:
-            for r, c in enumerate(prefill.conns):
-                if prefill.procs[r].is_alive():
-                    c.send(("prefill", room, tokens))
+            self.prefill(prefill, room, tokens)
         return res
 
     def prefill(self, prefill: Group, room: int, tokens: int) -> None:

@@ -106,6 +106,16 @@ def shard(spec: ModelSpec, name: str, full: torch.Tensor, tp: int, rank: int) ->
 _HND = ("kv.k", "kv.v", "swa.k", "swa.v")
 
 
+def _rows(idx: I32) -> torch.Tensor:
+    """Slot/page ids as a torch index."""
+    return torch.from_numpy(idx.astype(np.int64))
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    """Position of the first True element of a mask."""
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
 def _placed(name: str, view: torch.Tensor, idx: I32, part: torch.Tensor) -> torch.Tensor:
     """One layer's shard ``part`` (tokens first) arranged as the pages/slots of ``view``."""
     if name in _HND:  # [tokens, heads, dim] -> pages of [heads, page_size, dim]
@@ -117,10 +127,11 @@ def _placed(name: str, view: torch.Tensor, idx: I32, part: torch.Tensor) -> torc
 def fill(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> None:
     """Write this rank's shard of one room's content into its slots (the prefill side)."""
     for name, per_layer in caches.tensors.items():
-        idx = torch.from_numpy(slots.indices(name).astype(np.int64))
+        idx_np = slots.indices(name)
+        idx = _rows(idx_np)
         part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
         for layer, view in enumerate(per_layer):
-            view[idx] = _placed(name, view, slots.indices(name), part[layer])
+            view[idx] = _placed(name, view, idx_np, part[layer])
 
 
 def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> list[str]:
@@ -128,13 +139,13 @@ def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) 
     problems = []
     for name, per_layer in caches.tensors.items():
         idx_np = slots.indices(name)
-        idx = torch.from_numpy(idx_np.astype(np.int64))
+        idx = _rows(idx_np)
         part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
         for layer, view in enumerate(per_layer):
             got, want = view[idx], _placed(name, view, idx_np, part[layer])
             bad = got != want
             if bool(bad.any()):
-                where = tuple(int(i) for i in bad.nonzero()[0])
+                where = _first(bad)
                 problems.append(
                     f"{name} layer {layer}: {int(bad.sum())} of {bad.numel()} elements differ "
                     f"(first at {where}: got {int(got[where])}, want {int(want[where])})"
@@ -145,7 +156,7 @@ def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) 
 def reset(caches: RankCaches, slots: RoomSlots) -> None:
     """Give a room's slots back to the sentinel (a verified room's pages are free again)."""
     for name, per_layer in caches.tensors.items():
-        idx = torch.from_numpy(slots.indices(name).astype(np.int64))
+        idx = _rows(slots.indices(name))
         for view in per_layer:
             view[idx] = SENTINEL
 
@@ -163,9 +174,8 @@ def untouched_problems(caches: RankCaches) -> list[str]:
         for layer, view in enumerate(per_layer):
             bad = view != SENTINEL
             if bool(bad.any()):
-                first = tuple(int(i) for i in bad.nonzero()[0])
                 out.append(
                     f"{name} layer {layer}: {int(bad.sum())} elements written outside any room "
-                    f"(first {first})"
+                    f"(first {_first(bad)})"
                 )
     return out

@@ -202,6 +202,20 @@ def _per_item(ts: list[torch.Tensor]) -> int:
     return (ts[0].numel() // ts[0].shape[0]) * ELEM
 
 
+def _tensor(
+    name: str, ts: list[torch.Tensor], axis: int | None = None, blocks: tuple[int, ...] | None = None
+) -> StateTensor:
+    """One state tensor over its per-layer views (``axis``, ``blocks``: its TP sharding)."""
+    return StateTensor(name, _bases(ts), _lens(ts), _per_item(ts), axis, blocks)
+
+
+def _replicated_pages(kind: StateKind, name: str, ts: list[torch.Tensor]) -> StateComponent:
+    """A page-indexed component of one tensor, the same on every TP rank (MLA's SWA and DSA)."""
+    return StateComponent(
+        kind, Indexing.PAGE, (_tensor(name, ts),), replicated=True, memory_kind=MemoryKind.DRAM
+    )
+
+
 def _describe(c: RankCaches) -> RankMemory:
     spec, t, tp = c.spec, c.tensors, c.tp
     hl = _local_heads(spec, tp, c.rank)
@@ -214,19 +228,9 @@ def _describe(c: RankCaches) -> RankMemory:
             spec.latent_dim * ELEM, is_mla=True, memory_kind=dram,
         )  # fmt: skip
         if "swa.latent" in t:
-            swa = t["swa.latent"]
-            state.append(StateComponent(
-                StateKind.SWA, Indexing.PAGE,
-                (StateTensor("latent", _bases(swa), _lens(swa), _per_item(swa)),),
-                replicated=True, memory_kind=dram,
-            ))  # fmt: skip
+            state.append(_replicated_pages(StateKind.SWA, "latent", t["swa.latent"]))
         if "dsa.index_k" in t:
-            dsa = t["dsa.index_k"]
-            state.append(StateComponent(
-                StateKind.DSA, Indexing.PAGE,
-                (StateTensor("index_k", _bases(dsa), _lens(dsa), _per_item(dsa)),),
-                replicated=True, memory_kind=dram,
-            ))  # fmt: skip
+            state.append(_replicated_pages(StateKind.DSA, "index_k", t["dsa.index_k"]))
     else:
         k, v = t["kv.k"], t["kv.v"]
         kv = KvPool(
@@ -234,23 +238,18 @@ def _describe(c: RankCaches) -> RankMemory:
             spec.head_dim * ELEM, memory_kind=dram,
         )  # fmt: skip
         if "mamba.conv" in t:
-            conv, temporal = t["mamba.conv"], t["mamba.temporal"]
             state.append(StateComponent(
                 StateKind.MAMBA, Indexing.SLOT,
                 (
-                    StateTensor("conv", _bases(conv), _lens(conv), _per_item(conv),
-                                spec.conv_channels // tp, tuple(spec.conv_blocks)),
-                    StateTensor("temporal", _bases(temporal), _lens(temporal), _per_item(temporal),
-                                spec.ssm_heads // tp),
+                    _tensor("conv", t["mamba.conv"], spec.conv_channels // tp, tuple(spec.conv_blocks)),
+                    _tensor("temporal", t["mamba.temporal"], spec.ssm_heads // tp),
                 ),
                 memory_kind=dram,
             ))  # fmt: skip
         if "swa.k" in t:
-            sk, sv = t["swa.k"], t["swa.v"]
             state.append(StateComponent(
                 StateKind.SWA, Indexing.PAGE,
-                (StateTensor("k", _bases(sk), _lens(sk), _per_item(sk)),
-                 StateTensor("v", _bases(sv), _lens(sv), _per_item(sv))),
+                (_tensor("k", t["swa.k"]), _tensor("v", t["swa.v"])),
                 heads=HeadGeometry(spec.page_size, Layout.HND, hl, spec.kv_heads, spec.head_dim * ELEM),
                 memory_kind=dram,
             ))  # fmt: skip
