@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import pytest
 from pdwire.runtime.backends import available_backends
 from pdwire.runtime.backends.registry import known_backends
-from pdwire.runtime.demo_cluster import Cluster
 
-from tests.e2e.conftest import CAP, SPEC, Pool, assert_clean_shutdown
+from tests.e2e.conftest import Pool, assert_pair_byte_exact, running_pool
 
 PAIRS = [(1, 2), (2, 1), (2, 4)]
 
@@ -29,18 +28,12 @@ def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
     name = request.param
     if name not in available_backends():
         pytest.fail(f"backend {name} does not import here: CI must install its engine (./dev setup)")
-    with Cluster(SPEC, CAP, name, room_timeout_s=30.0) as cluster:
-        p = Pool(cluster)
+    with running_pool(name) as p:  # checks for no stray byte and no logged failure at the end
         yield p
-        assert_clean_shutdown(p)  # no stray byte on any decode rank, no failure logged anywhere
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa-mamba-swa", "mla-swa-dsa"])
 @pytest.mark.parametrize(("p", "d"), PAIRS, ids=[f"P{p}-D{d}" for p, d in PAIRS])
 def test_demo_scenario(pool: Pool, p: int, d: int, mla: bool) -> None:
-    pre, dec = pool.pair(p, d, mla)
-    results = pool.rooms(dec, pre, [3, 17, 40])  # a partial page, several chunks, a long one
-    for r in results:
-        assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
-        assert set(r.statuses) == set(range(d))
+    assert_pair_byte_exact(pool, p, d, mla)

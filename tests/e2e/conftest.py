@@ -1,15 +1,20 @@
 """Shared process clusters: starting rank processes is the expensive part, so groups are started
-once per module and reused by every case that needs the same (engine, TP, model)."""
+once per module and reused by every case that needs the same (engine, TP, model). Also the
+in-process worker pair's setup (one-rank caches, a prefill worker stepped on a thread)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import pytest
+from pdwire.runtime.backends import Backend, available_backends
 from pdwire.runtime.demo_cluster import Cluster, Group, RoomResult
-from pdwire.runtime.demo_model import Capacity, ModelSpec
+from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.session.prefill_worker import PrefillWorker
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -19,6 +24,7 @@ SPEC = ModelSpec(
     layers=2, kv_heads=4, head_dim=16, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4, swa_window_pages=3
 )
 CAP = Capacity(pages=256, slots=24, swa_pages=64, aux_items=24)
+WORKER_CAP = Capacity(pages=16, slots=3, swa_pages=8, aux_items=2)  # in-process workers: a room or two
 
 
 @dataclass
@@ -52,6 +58,55 @@ class Pool:
         return self.cluster.wait_rooms(out, 120)
 
 
+def assert_rooms_ok(results: list[RoomResult], ranks: int | None = None) -> None:
+    """Every room succeeded (on every decode rank ``0..ranks-1``, when given)."""
+    for r in results:
+        assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
+        if ranks is not None:
+            assert set(r.statuses) == set(range(ranks))
+
+
+def assert_pair_byte_exact(pool: Pool, p: int, d: int, mla: bool) -> None:
+    """Prefill TP ``p`` to decode TP ``d`` moves requests every decode rank verifies byte for byte."""
+    pre, dec = pool.pair(p, d, mla)
+    assert_rooms_ok(pool.rooms(dec, pre, [3, 17, 40]), d)  # a partial page, several chunks, a long one
+
+
+@contextmanager
+def running_pool(backend: str) -> Iterator[Pool]:
+    """A pool over one backend's cluster, checked for a clean shutdown at the end."""
+    with Cluster(SPEC, CAP, backend, room_timeout_s=30.0) as cluster:
+        p = Pool(cluster)
+        yield p
+        assert_clean_shutdown(p)  # no stray byte on any decode rank, no failure logged anywhere
+
+
+def worker_caches(backend: Backend) -> RankCaches:
+    """One-rank caches of SPEC in ``backend``'s registered memory, for in-process workers."""
+    buf = backend.allocate("caches", bytes_needed(SPEC, 1, 0, WORKER_CAP))
+    c = build_caches(SPEC, 1, 0, WORKER_CAP, buf.array)
+    backend.register(c.regions())
+    return c
+
+
+@contextmanager
+def serving(pre: PrefillWorker) -> Iterator[None]:
+    """Step ``pre`` on a thread until the block ends (it answers the handshake while connect() blocks)."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            pre.step(5)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def assert_clean_shutdown(pool: Pool) -> None:
     """Every decode rank's memory outside verified rooms is untouched; no rank logged a failure."""
     for g in list(pool.groups.values()):
@@ -63,11 +118,7 @@ def assert_clean_shutdown(pool: Pool) -> None:
 
 @pytest.fixture(scope="module", params=["nixl", "local"])
 def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
-    from pdwire.runtime.backends import available_backends
-
     if request.param not in available_backends():
         pytest.fail(f"backend {request.param} does not import here: CI must install it (./dev setup)")
-    with Cluster(SPEC, CAP, request.param, room_timeout_s=30.0) as cluster:
-        p = Pool(cluster)
+    with running_pool(request.param) as p:
         yield p
-        assert_clean_shutdown(p)

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from pdwire.runtime.demo_cluster import Cluster
+from pdwire.runtime.demo_cluster import Cluster, RoomResult
 
-from tests.e2e.conftest import CAP, SPEC
+from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 
 TIMEOUT = 4.0  # room timeout on every rank of this module
 SLOW = {"chunk_delay_s": 0.25}  # one page per chunk, a chunk every 250 ms: rooms last seconds
@@ -26,9 +26,8 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def _ok(c: Cluster, results: list) -> None:  # type: ignore[type-arg]
-    for r in c.wait_rooms(results, 60):
-        assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
+def _ok(c: Cluster, results: list[RoomResult]) -> None:
+    assert_rooms_ok(c.wait_rooms(results, 60))
 
 
 KILL_BACKENDS = ["local", "mooncake"]

@@ -3,14 +3,12 @@ prefill side's model is refused at registration (RegisterAck) naming component, 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import zmq
 from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo_model import Capacity, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
 from pdwire.runtime.session.failures import HandshakeError
@@ -18,16 +16,7 @@ from pdwire.runtime.session.handshake import Identity
 from pdwire.runtime.session.prefill_worker import PrefillWorker
 
 from pdwire import wire
-from tests.e2e.conftest import SPEC
-
-CAP = Capacity(pages=16, slots=3, swa_pages=8, aux_items=2)
-
-
-def caches(backend: LocalBackend) -> RankCaches:
-    buf = backend.allocate("caches", bytes_needed(SPEC, 1, 0, CAP))
-    c = build_caches(SPEC, 1, 0, CAP, buf.array)
-    backend.register(c.regions())
-    return c
+from tests.e2e.conftest import SPEC, serving, worker_caches
 
 
 @pytest.mark.parametrize("versions", [(), ((1, 1),)], ids=["1.2", "1.1"])
@@ -35,7 +24,7 @@ def test_a_registration_that_disagrees_in_component_structure_is_refused(version
     ctx: zmq.Context[Any] = zmq.Context()
     pb, db = LocalBackend(agent_name="pre"), LocalBackend(agent_name="dec")
     model = model_fingerprint(SPEC)
-    pc, dc = caches(pb), caches(db)
+    pc, dc = worker_caches(pb), worker_caches(db)
     # a decode build that names its SWA tensors differently (same fingerprint: the skew the
     # Hello cannot see)
     swa = dc.memory.state[1]
@@ -45,28 +34,19 @@ def test_a_registration_that_disagrees_in_component_structure_is_refused(version
     dec = DecodeWorker(
         Identity(wire.Role.DECODE, "dec", 1, 0, model, versions), dc, db, ctx, room_timeout_s=10
     )
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            pre.step(5)
-
-    serving = threading.Thread(target=serve)
     try:
-        serving.start()
-        if versions:  # a 1.1 peer cannot describe its components: borrowed, accepted (documented)
-            assert dec.connect([pre.endpoint], timeout_s=10) == "pre"
-            assert dec.stats.versions == ["pre/0=1.1"]
-            return
-        with pytest.raises(HandshakeError) as e:
-            dec.connect([pre.endpoint], timeout_s=10)
-        msg = str(e.value)
-        assert "refused the registration: handshake: RegistrationMismatch" in msg, msg
-        assert "state_components[1] (swa), field tensor_names" in msg and "swa_k" in msg, msg
-        assert pre._by_peer == {}  # nothing was prepared for the refused peer
+        with serving(pre):
+            if versions:  # a 1.1 peer cannot describe its components: borrowed, accepted (documented)
+                assert dec.connect([pre.endpoint], timeout_s=10) == "pre"
+                assert dec.stats.versions == ["pre/0=1.1"]
+                return
+            with pytest.raises(HandshakeError) as e:
+                dec.connect([pre.endpoint], timeout_s=10)
+            msg = str(e.value)
+            assert "refused the registration: handshake: RegistrationMismatch" in msg, msg
+            assert "state_components[1] (swa), field tensor_names" in msg and "swa_k" in msg, msg
+            assert pre._by_peer == {}  # nothing was prepared for the refused peer
     finally:
-        stop.set()
-        serving.join()
         pre.close()
         dec.close()
         pb.close()

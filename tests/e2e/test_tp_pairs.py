@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import Pool
+from tests.e2e.conftest import Pool, assert_pair_byte_exact
 
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)]
 
@@ -14,8 +14,4 @@ PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)]
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa-mamba-swa", "mla-swa-dsa"])
 @pytest.mark.parametrize(("p", "d"), PAIRS, ids=[f"P{p}-D{d}" for p, d in PAIRS])
 def test_requests_arrive_byte_exact(pool: Pool, p: int, d: int, mla: bool) -> None:
-    pre, dec = pool.pair(p, d, mla)
-    results = pool.rooms(dec, pre, [3, 17, 40])  # a partial page, several chunks, a long one
-    for r in results:
-        assert r.ok, f"room {r.room}: {r.statuses} {r.reason} {r.problems[:3]}"
-        assert set(r.statuses) == set(range(d))
+    assert_pair_byte_exact(pool, p, d, mla)

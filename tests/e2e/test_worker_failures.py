@@ -7,7 +7,6 @@ touch the handles that failing the room released (it used to poll one and crash)
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -16,7 +15,6 @@ import zmq
 from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors, pages_for
-from pdwire.runtime.demo_model import Capacity, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
 from pdwire.runtime.session.failures import Failure
@@ -25,9 +23,7 @@ from pdwire.runtime.session.prefill_worker import PrefillWorker
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
-from tests.e2e.conftest import SPEC
-
-CAP = Capacity(pages=16, slots=3, swa_pages=8, aux_items=2)
+from tests.e2e.conftest import SPEC, serving, worker_caches
 
 
 class FirstTransferFails(LocalBackend):
@@ -35,13 +31,6 @@ class FirstTransferFails(LocalBackend):
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
         return failed("injected engine failure") if handle.id == 1 else PENDING
-
-
-def caches(backend: LocalBackend) -> RankCaches:
-    buf = backend.allocate("caches", bytes_needed(SPEC, 1, 0, CAP))
-    c = build_caches(SPEC, 1, 0, CAP, buf.array)
-    backend.register(c.regions())
-    return c
 
 
 def slots(tokens: int) -> RoomSlots:
@@ -54,7 +43,7 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
     pb, db = FirstTransferFails(agent_name="pre"), LocalBackend(agent_name="dec")
     model = model_fingerprint(SPEC)
     finished: list[tuple[int, RoomStatus, Failure | None]] = []
-    pc, dc = caches(pb), caches(db)
+    pc, dc = worker_caches(pb), worker_caches(db)
     pre = PrefillWorker(Identity(wire.Role.PREFILL, "pre", 1, 0, model), pc, pb, ctx, room_timeout_s=10)
     dec = DecodeWorker(
         Identity(wire.Role.DECODE, "dec", 1, 0, model),
@@ -64,18 +53,9 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
         room_timeout_s=10,
         on_finished=lambda *a: finished.append(a),
     )
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            pre.step(5)
-
-    serving = threading.Thread(target=serve)
     try:
-        serving.start()  # the prefill rank answers the handshake while connect() blocks
-        engine = dec.connect([pre.endpoint], timeout_s=10)
-        stop.set()
-        serving.join()
+        with serving(pre):  # the prefill rank answers the handshake while connect() blocks
+            engine = dec.connect([pre.endpoint], timeout_s=10)
         tokens = 40  # 10 pages: one KV chunk, two state components and aux, all posted at once
         src = slots(tokens)
         fill(pc, src, full_tensors(SPEC, 1, 7, tokens))
@@ -96,9 +76,6 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
         assert pre.stats.rooms_failed == 1 and pre.stats.rooms_ok == 0
         assert pre._handles == {} and pb._handles == {}  # every handle of the room released
     finally:
-        stop.set()
-        if serving.is_alive():
-            serving.join()
         pre.close()
         dec.close()
         pb.close()
