@@ -64,6 +64,12 @@ def table(src: list[int], dst: list[int], length: list[int], sreg: int = 0, dreg
     )
 
 
+def mib_table(src: int, dst: int, size: int) -> DescriptorTable:
+    """``size`` bytes from ``src`` to ``dst`` as 1 MiB descriptors."""
+    offsets = range(0, size, MiB)
+    return table([src + o for o in offsets], [dst + o for o in offsets], [MiB] * len(offsets))
+
+
 def sha(a: np.ndarray[Any, Any]) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
 
@@ -302,10 +308,7 @@ def test_killed_peer_fails_transfers_in_bounded_time_and_a_new_peer_works(
     a = backends(name, agent_name=f"{name}-init", transfer_timeout_s=20.0)
     src = source(a, size, seed=5)
     peer = a.add_peer(tgt.md)
-    d0 = peer.regions[0].base
-    full = table(
-        [src.address + o for o in range(0, size, MiB)], [d0 + o for o in range(0, size, MiB)], [MiB] * 16
-    )
+    full = mib_table(src.address, peer.regions[0].base, size)
     first = a.post(peer, full, f"first:0:{size}".encode())
     assert a.wait(first, 60).state is TransferState.DONE
     # Queue several transfers, then kill the target while they are (or could be) running.
@@ -326,11 +329,7 @@ def test_killed_peer_fails_transfers_in_bounded_time_and_a_new_peer_works(
     # The survivor serves a new peer.
     tgt2 = spawn(name, size)
     peer2 = a.add_peer(tgt2.md)
-    d2 = peer2.regions[0].base
-    full2 = table(
-        [src.address + o for o in range(0, size, MiB)], [d2 + o for o in range(0, size, MiB)], [MiB] * 16
-    )
-    h = a.post(peer2, full2, f"again:0:{size}".encode())
+    h = a.post(peer2, mib_table(src.address, peer2.regions[0].base, size), f"again:0:{size}".encode())
     assert a.wait(h, 60).state is TransferState.DONE
     (note,) = tgt2.notifications(1)
     assert note["payload"] == f"again:0:{size}" and note["sha"] == sha(src.array)
