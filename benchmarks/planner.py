@@ -71,54 +71,42 @@ def memory(tp: int, rank: int, layout: Layout, base: int) -> RankMemory:
         HEADS,
         HEAD_BYTES,
     )
+
+    def tensor(
+        name: str,
+        region: int,
+        layers: int,
+        per_item: int,
+        items: int,
+        axis: int | None = None,
+        blocks: tuple[int, ...] | None = None,
+    ) -> StateTensor:
+        """``layers`` buffers of ``items`` items of ``per_item`` bytes, in address region ``region``."""
+        bases = _bases(base + (region << 40), layers, stride)
+        return StateTensor(name, bases, (per_item * items,) * layers, per_item, axis, blocks)
+
     conv_axis, temporal_axis = sum(CONV_BLOCKS) // tp, TEMPORAL_HEADS // tp
+    conv_item, temporal_item = conv_axis * CONV_UNIT, temporal_axis * TEMPORAL_UNIT
     mamba = StateComponent(
         StateKind.MAMBA,
         Indexing.SLOT,
         (
-            StateTensor(
-                "conv",
-                _bases(base + (2 << 40), MAMBA_LAYERS, stride),
-                (conv_axis * CONV_UNIT * MAMBA_SLOTS,) * MAMBA_LAYERS,
-                conv_axis * CONV_UNIT,
-                conv_axis,
-                CONV_BLOCKS,
-            ),
-            StateTensor(
-                "temporal",
-                _bases(base + (3 << 40), MAMBA_LAYERS, stride),
-                (temporal_axis * TEMPORAL_UNIT * MAMBA_SLOTS,) * MAMBA_LAYERS,
-                temporal_axis * TEMPORAL_UNIT,
-                temporal_axis,
-            ),
+            tensor("conv", 2, MAMBA_LAYERS, conv_item, MAMBA_SLOTS, conv_axis, CONV_BLOCKS),
+            tensor("temporal", 3, MAMBA_LAYERS, temporal_item, MAMBA_SLOTS, temporal_axis),
         ),
     )
     swa_geometry = HeadGeometry(PAGE, layout, per_rank, HEADS, HEAD_BYTES)
     swa = StateComponent(
         StateKind.SWA,
         Indexing.PAGE,
-        (
-            StateTensor(
-                "k", _bases(base + (4 << 40), SWA_LAYERS, stride), (item * POOL_PAGES,) * SWA_LAYERS, item
-            ),
-            StateTensor(
-                "v", _bases(base + (5 << 40), SWA_LAYERS, stride), (item * POOL_PAGES,) * SWA_LAYERS, item
-            ),
-        ),
+        (tensor("k", 4, SWA_LAYERS, item, POOL_PAGES), tensor("v", 5, SWA_LAYERS, item, POOL_PAGES)),
         heads=swa_geometry,
     )
     dsa_item = PAGE * DSA_TOKEN_BYTES
     dsa = StateComponent(
         StateKind.DSA,
         Indexing.PAGE,
-        (
-            StateTensor(
-                "indexer",
-                _bases(base + (6 << 40), DSA_LAYERS, stride),
-                (dsa_item * POOL_PAGES,) * DSA_LAYERS,
-                dsa_item,
-            ),
-        ),
+        (tensor("indexer", 6, DSA_LAYERS, dsa_item, POOL_PAGES),),
         replicated=True,
     )
     aux = (AuxBuffer("output", base + (7 << 40), AUX_ITEM * 256, AUX_ITEM),)
