@@ -325,6 +325,20 @@ def _split_layers(ci: int, wc: wire.StateComponent, nt: int) -> int:
     return n // nt
 
 
+def _wire_tensor(wc: wire.StateComponent, name: str, ti: int, layers: int, axis: int | None) -> StateTensor:
+    """Tensor ``ti`` of a registered component: its ``layers`` entries (the wire lists them tensor major)."""
+    sl = slice(ti * layers, (ti + 1) * layers)
+    blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
+    return StateTensor(
+        name,
+        _ints(wc.base_addrs[sl]),
+        _ints(wc.region_lens[sl]),
+        int(wc.bytes_per_slot[sl.start]),
+        axis,
+        blocks or None,
+    )
+
+
 def _borrowed_component(
     ci: int, wc: wire.StateComponent, lc: StateComponent, info: wire.RegisterInfo, layout: Layout
 ) -> StateComponent:
@@ -337,27 +351,15 @@ def _borrowed_component(
     tensors = []
     heads: HeadGeometry | None = None
     for ti, lt in enumerate(lc.tensors):
-        sl = slice(ti * layers, (ti + 1) * layers)
-        full = shard[sl.start]
-        blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
+        first = ti * layers
+        full = shard[first]
         axis = None
         if lc.heads is not None and full:
             hpr = max(1, full // g.tp_size)
-            heads = HeadGeometry(
-                info.page_size, layout, hpr, full, per_slot[sl.start] // (info.page_size * hpr)
-            )
+            heads = HeadGeometry(info.page_size, layout, hpr, full, per_slot[first] // (info.page_size * hpr))
         elif full:
             axis = full // g.tp_size
-        tensors.append(
-            StateTensor(
-                lt.name,
-                _ints(wc.base_addrs[sl]),
-                _ints(wc.region_lens[sl]),
-                per_slot[sl.start],
-                axis,
-                blocks or None,
-            )
-        )
+        tensors.append(_wire_tensor(wc, lt.name, ti, layers, axis))
     replicated = heads is None and all(t.sharded_axis_size is None for t in tensors) and lc.replicated
     indexing = Indexing.SLOT if lc.kind is StateKind.MAMBA else Indexing.PAGE
     return StateComponent(
@@ -411,23 +413,11 @@ def _described_component(
         raise RegistrationMismatch(
             where, "", "sub_blocks", f"{len(wc.sub_blocks)} entries for {n} base addresses"
         )
-    per_slot = _ints(wc.bytes_per_slot)
     tensors = []
     for ti, name in enumerate(names):
-        sl = slice(ti * layers, (ti + 1) * layers)
-        full = shard[sl.start]
+        full = shard[ti * layers]
         axis = full // tp_size if sharding == wire.StateSharding.AXIS and full else None
-        blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
-        tensors.append(
-            StateTensor(
-                name,
-                _ints(wc.base_addrs[sl]),
-                _ints(wc.region_lens[sl]),
-                per_slot[sl.start],
-                axis,
-                blocks or None,
-            )
-        )
+        tensors.append(_wire_tensor(wc, name, ti, layers, axis))
     return StateComponent(
         lc.kind,
         indexing,
