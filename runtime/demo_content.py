@@ -10,6 +10,7 @@ pools must be the sentinel again: a write outside a destination slot cannot hide
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,32 +125,37 @@ def _placed(name: str, view: torch.Tensor, idx: I32, part: torch.Tensor) -> torc
     return part.reshape((len(idx), *view.shape[1:]))
 
 
-def fill(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> None:
-    """Write this rank's shard of one room's content into its slots (the prefill side)."""
+def _expected(
+    caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per cache tensor and layer: (name, layer, view, the room's rows in it, this rank's shard of
+    the room's content placed as those rows)."""
     for name, per_layer in caches.tensors.items():
         idx_np = slots.indices(name)
         idx = _rows(idx_np)
         part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
         for layer, view in enumerate(per_layer):
-            view[idx] = _placed(name, view, idx_np, part[layer])
+            yield name, layer, view, idx, _placed(name, view, idx_np, part[layer])
+
+
+def fill(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> None:
+    """Write this rank's shard of one room's content into its slots (the prefill side)."""
+    for _, _, view, idx, want in _expected(caches, slots, full):
+        view[idx] = want
 
 
 def verify(caches: RankCaches, slots: RoomSlots, full: dict[str, torch.Tensor]) -> list[str]:
     """Compare one room's destination slots with the expected shard; one line per mismatch."""
     problems = []
-    for name, per_layer in caches.tensors.items():
-        idx_np = slots.indices(name)
-        idx = _rows(idx_np)
-        part = shard(caches.spec, name, full[name], caches.tp, caches.rank)
-        for layer, view in enumerate(per_layer):
-            got, want = view[idx], _placed(name, view, idx_np, part[layer])
-            bad = got != want
-            if bool(bad.any()):
-                where = _first(bad)
-                problems.append(
-                    f"{name} layer {layer}: {int(bad.sum())} of {bad.numel()} elements differ "
-                    f"(first at {where}: got {int(got[where])}, want {int(want[where])})"
-                )
+    for name, layer, view, idx, want in _expected(caches, slots, full):
+        got = view[idx]
+        bad = got != want
+        if bool(bad.any()):
+            where = _first(bad)
+            problems.append(
+                f"{name} layer {layer}: {int(bad.sum())} of {bad.numel()} elements differ "
+                f"(first at {where}: got {int(got[where])}, want {int(want[where])})"
+            )
     return problems
 
 
