@@ -51,7 +51,6 @@ class _Link:
     """The control connection to one prefill rank."""
 
     sock: zmq.Socket[Any]
-    endpoint: str
     peer: PeerRef
     version: tuple[int, int]
 
@@ -167,7 +166,7 @@ class DecodeWorker:
         except BaseException:
             sock.close(0)
             raise
-        return _Link(sock, endpoint, PeerRef(theirs.engine_id, int(theirs.geometry.tp_rank)), version)
+        return _Link(sock, PeerRef(theirs.engine_id, int(theirs.geometry.tp_rank)), version)
 
     # ------------------------------------------------------------------ rooms
 
