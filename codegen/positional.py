@@ -169,6 +169,8 @@ class FrameView:
     omit_default: str | None  # last frame left out when the value equals this
     doc: str
     since: str
+    fast_dec: list[str]  # statements over `fr` setting `f_<name>` (const frames: a check)
+    fast_enc: str  # expression over `m`: the common case inline, the checked call otherwise
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ class MessageView:
     match: list[tuple[int, str]]
     checks: list[str]
     derived: list[DerivedView]
+    rec: str | None  # recognition beyond frame 0 (other fixed frames, predicates); None: nothing
 
     @property
     def fields(self) -> list[FrameView]:
@@ -296,6 +299,118 @@ def _codec(p: Protocol, f: Field, w: str) -> tuple[str, str]:
     return f"_fe.enc_int({v}, {lo}, {hi}, {w})", f"_fe.dec_int({x}, {lo}, {hi}, {w})"
 
 
+# --- fast paths ---------------------------------------------------------------------------------
+# The generated decoders and encoders handle the common case inline (straight-line code, no
+# per-field calls) and hand anything else to the checked ``_fe`` call of :func:`_codec`, which
+# accepts exactly the same values and raises the precise error. Each fast path accepts a subset
+# of what its checked call accepts and returns the same value for it.
+def _fast_int_dec(x: str, out: str, lo: int, hi: int, slow: str, empty: str | None) -> list[str]:
+    """``int()`` then a canonical-text and range test; anything else goes to ``slow``."""
+    body = [
+        "try:",
+        f"    {out} = int({x})",
+        "except (TypeError, ValueError):",
+        f"    {out} = {slow}",
+        "else:",
+        f'    if not {lo} <= {out} <= {hi} or b"%d" % {out} != {x}:',
+        f"        {out} = {slow}",
+    ]
+    if empty is None:
+        return body
+    return [f"if not {x}:", f"    {out} = {empty}", "else:", *("    " + line for line in body)]
+
+
+def _fast_dec(p: Protocol, f: Field, w: str, slow: str) -> list[str]:
+    """Statements decoding frame ``f.frame`` of ``fr`` into ``f_<name>`` (``slow``: the checked call)."""
+    e, t = f.encoding, f.type
+    x, out = f"fr[{f.frame}]", f"f_{f.name}"
+    opt = t.kind == "optional"
+    if e == "const":
+        lit = str(f.default).encode("ascii")
+        return [f"if {x} != {lit!r}:", f"    {slow}"]
+    if e in ("ascii", "utf8"):
+        codec = "ascii" if e == "ascii" else "utf-8"
+        expr = f"str({x}, {codec!r}) if {x} else None" if opt else f"str({x}, {codec!r})"
+        return ["try:", f"    {out} = {expr}", "except UnicodeDecodeError:", f"    {out} = {slow}"]
+    if e == "raw":
+        return [f"{out} = bytes({x})"]
+    if e == "flag01":
+        expr = f'True if {x} == b"1" else False if {x} == b"0" else {slow}'
+        if opt:
+            expr = f"None if not {x} else {expr}"
+        return [f"{out} = {expr}"]
+    if e == "ascii_int" and t.kind == "enum":
+        return [
+            f"{out} = _T_{t.name}.get({x}) if type({x}) is bytes else None",
+            f"if {out} is None:",
+            f"    {out} = {slow}",
+        ]
+    if e == "ascii_int":
+        lo, hi = _range(t)
+        if opt:
+            return _fast_int_dec(x, out, lo, hi, slow, "None")
+        if f.fallback == "empty":
+            return _fast_int_dec(x, out, lo, hi, slow, repr(f.default))
+        if f.fallback == "blank":
+            lines = _fast_int_dec(x, out, lo, hi, slow, repr(f.default))
+            # the default's own text is refused (it travels as b""): the checked call says so
+            return [*lines, f"    if {out} == {f.default!r}:", f"        {out} = {slow}"]
+        return _fast_int_dec(x, out, lo, hi, slow, None)
+    return [f"{out} = {slow}"]
+
+
+def _fast_enc(p: Protocol, f: Field, w: str, slow: str) -> str:
+    """An expression encoding ``m.<name>``: the common case inline, else ``slow``."""
+    e, t, v = f.encoding, f.type, f"m.{f.name}"
+    opt = t.kind == "optional"
+    if e == "const":
+        return slow
+    if e in ("ascii", "utf8"):
+        codec = "ascii" if e == "ascii" else "utf-8"
+        cond = f"type({v}) is str and {v}.isascii()"  # O(1) for CPython str; non-ASCII: checked call
+        if opt:
+            cond += f" and {v}"  # "" is refused (it would read back as None); None is b""
+            return f'b"" if {v} is None else {v}.encode({codec!r}) if {cond} else {slow}'
+        return f"{v}.encode({codec!r}) if {cond} else {slow}"
+    if e == "raw":
+        return f"{v} if type({v}) is bytes else {slow}"
+    if e == "flag01":
+        expr = f'(b"1" if {v} else b"0") if type({v}) is bool else {slow}'
+        return f'b"" if {v} is None else {expr}' if opt else expr
+    if e == "ascii_int" and t.kind == "enum":
+        return f"_E_{t.name}[{v}] if type({v}) is {t.name} else {slow}"
+    if e == "ascii_int":
+        lo, hi = _range(t)
+        cond = f"type({v}) is int and {lo} <= {v} <= {hi}"
+        if f.fallback == "blank":
+            return f'(b"" if {v} == {f.default!r} else b"%d" % {v}) if {cond} else {slow}'
+        expr = f'b"%d" % {v} if {cond} else {slow}'
+        return f'b"" if {v} is None else {expr}' if opt else expr
+    return slow
+
+
+def _when_present(f: Field, lines: list[str], absent: str) -> list[str]:
+    """``lines`` guarded by the frame being present; ``absent`` otherwise."""
+    out = f"f_{f.name} = "
+    if len(lines) == 1 and lines[0].startswith(out):
+        return [f"{out}({lines[0][len(out) :]}) if n > {f.frame} else {absent}"]
+    return [f"if n > {f.frame}:", *("    " + line for line in lines), "else:", f"    {out}{absent}"]
+
+
+def _is_dec_expr(x: str) -> str:
+    """``positional_codec._is_dec`` inline, for a bytes frame."""
+    return f"({x}.isdigit() and len({x}) <= 20 and (len({x}) == 1 or {x}[0] != 48))"
+
+
+def _rec_expr(m: Message, consts: list[tuple[int, str]]) -> str | None:
+    """Recognition of a message beyond its frame 0 literal, over bytes frames known to be present."""
+    terms = [f"fr[{i}] == {c.encode('ascii')!r}" for i, c in consts if i != 0]
+    for i, pred in m.match:
+        test = _is_dec_expr(f"fr[{i}]")
+        terms.append(test if pred == "dec" else f"not {test}")
+    return " and ".join(terms) if terms else None
+
+
 def _strategy(f: Field) -> str:
     t, e = f.type, f.encoding
     opt = t.kind == "optional"
@@ -343,9 +458,12 @@ def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
         assert f.frame is not None
         w = f"_W_{m.name}[{f.name!r}]"
         enc, dec = _codec(p, f, w)
+        fast_dec = _fast_dec(p, f, w, dec)
+        fast_enc = _fast_enc(p, f, w, enc)
         absent = _literal(p, f) if f.frame >= low else None
         if absent is not None:
             dec = f"({dec} if n > {f.frame} else {absent})"
+            fast_dec = _when_present(f, fast_dec, absent)
         frames.append(
             FrameView(
                 frame=f.frame,
@@ -362,6 +480,8 @@ def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
                 omit_default=_literal(p, f) if f.fallback == "omit" else None,
                 doc=f.doc,
                 since=format_version(f.since),
+                fast_dec=fast_dec,
+                fast_enc=fast_enc,
             )
         )
     derived = []
@@ -369,16 +489,18 @@ def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
         match = _DERIVED_RE.match(spec)
         assert match is not None
         derived.append(DerivedView(prop, match.group(1), match.group(2).strip()))
+    consts = [(fv.frame, fv.const) for fv in frames if fv.const is not None]
     return MessageView(
         name=m.name,
         backend=m.backend,
         doc=m.doc,
         frames=frames,
         min_frames=low,
-        consts=[(fv.frame, fv.const) for fv in frames if fv.const is not None],
+        consts=consts,
         match=list(m.match),
         checks=list(m.checks),
         derived=derived,
+        rec=_rec_expr(m, consts),
     )
 
 

@@ -44,7 +44,11 @@ class KVPoll(enum.IntEnum):
     SUCCESS = 4
 
 
-class MooncakeRegister(msgspec.Struct, kw_only=True):
+_T_KVPoll: dict[bytes, KVPoll] = {b"%d" % x: x for x in KVPoll}  # canonical text -> member
+_E_KVPoll: dict[KVPoll, bytes] = {x: b"%d" % x for x in KVPoll}
+
+
+class MooncakeRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key. Frames 10 onward may be missing (older decodes)."""
 
     BACKEND: ClassVar[str] = "mooncake"
@@ -109,29 +113,29 @@ _W_MooncakeRegister: dict[str, _Where] = {
 
 
 def _check_MooncakeRegister(m: MooncakeRegister) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.mooncake_register_staging(m)
-    return problems
+    return _rules.mooncake_register_staging(m)
 
 
 def _enc_MooncakeRegister(m: MooncakeRegister) -> list[bytes]:
-    _pc.raise_problems(_check_MooncakeRegister(m), _W_MooncakeRegister, decode=False)
+    problems = _check_MooncakeRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeRegister, decode=False)
     out = [
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_MooncakeRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeRegister['rank_port']),
-        _fe.enc_ascii(m.session_id, _W_MooncakeRegister['session_id']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MooncakeRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeRegister['rank_port']),
+        m.session_id.encode('ascii') if type(m.session_id) is str and m.session_id.isascii() else _fe.enc_ascii(m.session_id, _W_MooncakeRegister['session_id']),
         _fe.enc_array(m.kv_data_ptrs, _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs']),
         _fe.enc_array(m.aux_data_ptrs, _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs']),
         _fe.enc_array(m.flat_state_data_ptrs, _fe.NATIVE_U64, _W_MooncakeRegister['flat_state_data_ptrs']),
-        _fe.enc_int(m.dst_tp_rank, 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
+        b"%d" % m.dst_tp_rank if type(m.dst_tp_rank) is int and 0 <= m.dst_tp_rank <= 4294967295 else _fe.enc_int(m.dst_tp_rank, 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
         _fe.enc_array(m.flat_state_item_lens, _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_item_lens']),
         _fe.enc_array(m.flat_state_dim_per_tensor, _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_dim_per_tensor']),
-        _fe.enc_ascii(m.enable_hisparse, _W_MooncakeRegister['enable_hisparse']),
+        m.enable_hisparse.encode('ascii') if type(m.enable_hisparse) is str and m.enable_hisparse.isascii() else _fe.enc_ascii(m.enable_hisparse, _W_MooncakeRegister['enable_hisparse']),
         _fe.enc_u64_opt(m.flat_staging_base_ptr, _W_MooncakeRegister['flat_staging_base_ptr']),
-        _fe.enc_int_opt(m.flat_staging_total_size, 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size']),
+        b"" if m.flat_staging_total_size is None else b"%d" % m.flat_staging_total_size if type(m.flat_staging_total_size) is int and 0 <= m.flat_staging_total_size <= 18446744073709551615 else _fe.enc_int_opt(m.flat_staging_total_size, 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size']),
     ]
     return out
 
@@ -142,24 +146,89 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'None', _W_MooncakeRegister['room_marker'])
+    if fr[0] != b'None':
+        _fe.expect_const(fr[0], b'None', _W_MooncakeRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[1], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[2])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
+    try:
+        f_session_id = str(fr[3], 'ascii')
+    except UnicodeDecodeError:
+        f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeRegister['session_id'])
+    f_kv_data_ptrs = _fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs'])
+    f_aux_data_ptrs = _fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs'])
+    f_flat_state_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_MooncakeRegister['flat_state_data_ptrs'])
+    try:
+        f_dst_tp_rank = int(fr[7])
+    except (TypeError, ValueError):
+        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
+    else:
+        if not 0 <= f_dst_tp_rank <= 4294967295 or b"%d" % f_dst_tp_rank != fr[7]:
+            f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
+    try:
+        f_attn_tp_size = int(fr[8])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[8]:
+            f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
+    try:
+        f_kv_item_len = int(fr[9])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[9]:
+            f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
+    f_flat_state_item_lens = (_fe.dec_array(fr[10], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_item_lens'])) if n > 10 else _EMPTY_U32
+    f_flat_state_dim_per_tensor = (_fe.dec_array(fr[11], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_dim_per_tensor'])) if n > 11 else _EMPTY_U32
+    if n > 12:
+        try:
+            f_enable_hisparse = str(fr[12], 'ascii')
+        except UnicodeDecodeError:
+            f_enable_hisparse = _fe.dec_ascii(fr[12], _W_MooncakeRegister['enable_hisparse'])
+    else:
+        f_enable_hisparse = ''
+    f_flat_staging_base_ptr = (_fe.dec_u64_opt(fr[13], _W_MooncakeRegister['flat_staging_base_ptr'])) if n > 13 else None
+    if n > 14:
+        if not fr[14]:
+            f_flat_staging_total_size = None
+        else:
+            try:
+                f_flat_staging_total_size = int(fr[14])
+            except (TypeError, ValueError):
+                f_flat_staging_total_size = _fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size'])
+            else:
+                if not 0 <= f_flat_staging_total_size <= 18446744073709551615 or b"%d" % f_flat_staging_total_size != fr[14]:
+                    f_flat_staging_total_size = _fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size'])
+    else:
+        f_flat_staging_total_size = None
     m = MooncakeRegister(
-        local_ip=_fe.dec_ascii(fr[1], _W_MooncakeRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port']),
-        session_id=_fe.dec_ascii(fr[3], _W_MooncakeRegister['session_id']),
-        kv_data_ptrs=_fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs']),
-        aux_data_ptrs=_fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs']),
-        flat_state_data_ptrs=_fe.dec_array(fr[6], _fe.NATIVE_U64, _W_MooncakeRegister['flat_state_data_ptrs']),
-        dst_tp_rank=_fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
-        attn_tp_size=_fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
-        kv_item_len=_fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
-        flat_state_item_lens=(_fe.dec_array(fr[10], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_item_lens']) if n > 10 else _EMPTY_U32),
-        flat_state_dim_per_tensor=(_fe.dec_array(fr[11], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_dim_per_tensor']) if n > 11 else _EMPTY_U32),
-        enable_hisparse=(_fe.dec_ascii(fr[12], _W_MooncakeRegister['enable_hisparse']) if n > 12 else ''),
-        flat_staging_base_ptr=(_fe.dec_u64_opt(fr[13], _W_MooncakeRegister['flat_staging_base_ptr']) if n > 13 else None),
-        flat_staging_total_size=(_fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size']) if n > 14 else None),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        session_id=f_session_id,
+        kv_data_ptrs=f_kv_data_ptrs,
+        aux_data_ptrs=f_aux_data_ptrs,
+        flat_state_data_ptrs=f_flat_state_data_ptrs,
+        dst_tp_rank=f_dst_tp_rank,
+        attn_tp_size=f_attn_tp_size,
+        kv_item_len=f_kv_item_len,
+        flat_state_item_lens=f_flat_state_item_lens,
+        flat_state_dim_per_tensor=f_flat_state_dim_per_tensor,
+        enable_hisparse=f_enable_hisparse,
+        flat_staging_base_ptr=f_flat_staging_base_ptr,
+        flat_staging_total_size=f_flat_staging_total_size,
     )
-    _pc.raise_problems(_check_MooncakeRegister(m), _W_MooncakeRegister, decode=True)
+    problems = _check_MooncakeRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeRegister, decode=True)
     return m
 
 
@@ -175,10 +244,11 @@ _SPEC_MooncakeRegister = _pc.MessageSpec(
     encode=_enc_MooncakeRegister,
     check=_check_MooncakeRegister,
     derived=(),
+    rest=None,
 )
 
 
-class MooncakeTransferInfo(msgspec.Struct, kw_only=True):
+class MooncakeTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per request and target prefill rank. Dummy iff frames 4 and 5 are both
     empty.
     """
@@ -232,23 +302,23 @@ _W_MooncakeTransferInfo: dict[str, _Where] = {
 
 
 def _check_MooncakeTransferInfo(m: MooncakeTransferInfo) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.mooncake_transfer_dummy(m)
-    return problems
+    return _rules.mooncake_transfer_dummy(m)
 
 
 def _enc_MooncakeTransferInfo(m: MooncakeTransferInfo) -> list[bytes]:
-    _pc.raise_problems(_check_MooncakeTransferInfo(m), _W_MooncakeTransferInfo, decode=False)
+    problems = _check_MooncakeTransferInfo(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeTransferInfo, decode=False)
     out = [
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_MooncakeTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeTransferInfo['rank_port']),
-        _fe.enc_ascii(m.session_id, _W_MooncakeTransferInfo['session_id']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MooncakeTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeTransferInfo['rank_port']),
+        m.session_id.encode('ascii') if type(m.session_id) is str and m.session_id.isascii() else _fe.enc_ascii(m.session_id, _W_MooncakeTransferInfo['session_id']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices']),
-        _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
+        b"" if m.aux_index is None else b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
         _fe.enc_array(m.flat_state_indices, _fe.NATIVE_I32, _W_MooncakeTransferInfo['flat_state_indices']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
-        _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
+        b"%d" % m.decode_prefix_len if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']),
     ]
     return out
 
@@ -259,19 +329,76 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeTransferInfo, n)
         assert err is not None
         raise err
+    try:
+        f_room = int(fr[0])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[1], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[2])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
+    try:
+        f_session_id = str(fr[3], 'ascii')
+    except UnicodeDecodeError:
+        f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeTransferInfo['session_id'])
+    f_kv_indices = _fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices'])
+    if not fr[5]:
+        f_aux_index = None
+    else:
+        try:
+            f_aux_index = int(fr[5])
+        except (TypeError, ValueError):
+            f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
+        else:
+            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[5]:
+                f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
+    f_flat_state_indices = _fe.dec_array(fr[6], _fe.NATIVE_I32, _W_MooncakeTransferInfo['flat_state_indices'])
+    try:
+        f_required_dst_info_num = int(fr[7])
+    except (TypeError, ValueError):
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    else:
+        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
+            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    if n > 8:
+        try:
+            f_decode_prefix_len = int(fr[8])
+        except (TypeError, ValueError):
+            f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
+        else:
+            if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[8]:
+                f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
+    else:
+        f_decode_prefix_len = 0
     m = MooncakeTransferInfo(
-        room=_fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[1], _W_MooncakeTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port']),
-        session_id=_fe.dec_ascii(fr[3], _W_MooncakeTransferInfo['session_id']),
-        kv_indices=_fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
-        flat_state_indices=_fe.dec_array(fr[6], _fe.NATIVE_I32, _W_MooncakeTransferInfo['flat_state_indices']),
-        required_dst_info_num=_fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
-        decode_prefix_len=(_fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']) if n > 8 else 0),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        session_id=f_session_id,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        flat_state_indices=f_flat_state_indices,
+        required_dst_info_num=f_required_dst_info_num,
+        decode_prefix_len=f_decode_prefix_len,
     )
-    _pc.raise_problems(_check_MooncakeTransferInfo(m), _W_MooncakeTransferInfo, decode=True)
+    problems = _check_MooncakeTransferInfo(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeTransferInfo, decode=True)
     return m
+
+
+def _rec_MooncakeTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and not (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48))
 
 
 _SPEC_MooncakeTransferInfo = _pc.MessageSpec(
@@ -286,10 +413,11 @@ _SPEC_MooncakeTransferInfo = _pc.MessageSpec(
     encode=_enc_MooncakeTransferInfo,
     check=_check_MooncakeTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_MooncakeTransferInfo,
 )
 
 
-class MooncakeStatus(msgspec.Struct, kw_only=True):
+class MooncakeStatus(msgspec.Struct, kw_only=True, gc=False):
     """Prefill -> decode. Untagged; 0.5.23 drops the failure reason, but its parser reads frame 3 if
     present.
     """
@@ -328,12 +456,12 @@ def _check_MooncakeStatus(m: MooncakeStatus) -> _pc.Problems:
 
 def _enc_MooncakeStatus(m: MooncakeStatus) -> list[bytes]:
     out = [
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeStatus['room']),
-        _fe.enc_enum(m.status, KVPoll, _W_MooncakeStatus['status']),
-        _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeStatus['room']),
+        _E_KVPoll[m.status] if type(m.status) is KVPoll else _fe.enc_enum(m.status, KVPoll, _W_MooncakeStatus['status']),
+        b"%d" % m.prefill_rank if type(m.prefill_rank) is int and 0 <= m.prefill_rank <= 4294967295 else _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
     ]
     if m.reason is not None:  # the builder leaves this last frame out
-        out.append(_fe.enc_utf8_opt(m.reason, _W_MooncakeStatus['reason']))
+        out.append(b"" if m.reason is None else m.reason.encode('utf-8') if type(m.reason) is str and m.reason.isascii() and m.reason else _fe.enc_utf8_opt(m.reason, _W_MooncakeStatus['reason']))
     return out
 
 
@@ -343,13 +471,41 @@ def _dec_MooncakeStatus(fr: list[_fe.Buf]) -> MooncakeStatus:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeStatus, n)
         assert err is not None
         raise err
+    try:
+        f_room = int(fr[0])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
+    f_status = _T_KVPoll.get(fr[1]) if type(fr[1]) is bytes else None
+    if f_status is None:
+        f_status = _fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus['status'])
+    try:
+        f_prefill_rank = int(fr[2])
+    except (TypeError, ValueError):
+        f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
+    else:
+        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[2]:
+            f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
+    if n > 3:
+        try:
+            f_reason = str(fr[3], 'utf-8') if fr[3] else None
+        except UnicodeDecodeError:
+            f_reason = _fe.dec_utf8_opt(fr[3], _W_MooncakeStatus['reason'])
+    else:
+        f_reason = None
     m = MooncakeStatus(
-        room=_fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room']),
-        status=_fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus['status']),
-        prefill_rank=_fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
-        reason=(_fe.dec_utf8_opt(fr[3], _W_MooncakeStatus['reason']) if n > 3 else None),
+        room=f_room,
+        status=f_status,
+        prefill_rank=f_prefill_rank,
+        reason=f_reason,
     )
     return m
+
+
+def _rec_MooncakeStatus(fr: list[bytes]) -> bool:
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MooncakeStatus = _pc.MessageSpec(
@@ -364,10 +520,11 @@ _SPEC_MooncakeStatus = _pc.MessageSpec(
     encode=_enc_MooncakeStatus,
     check=_check_MooncakeStatus,
     derived=(),
+    rest=_rec_MooncakeStatus,
 )
 
 
-class NixlRegister(msgspec.Struct, kw_only=True):
+class NixlRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key."""
 
     BACKEND: ClassVar[str] = "nixl"
@@ -445,32 +602,32 @@ _W_NixlRegister: dict[str, _Where] = {
 
 
 def _check_NixlRegister(m: NixlRegister) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.nixl_register_kv(m)
-    return problems
+    return _rules.nixl_register_kv(m)
 
 
 def _enc_NixlRegister(m: NixlRegister) -> list[bytes]:
-    _pc.raise_problems(_check_NixlRegister(m), _W_NixlRegister, decode=False)
+    problems = _check_NixlRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_NixlRegister, decode=False)
     out = [
         b'NixlMsgGuard',
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_NixlRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_NixlRegister['rank_port']),
-        _fe.enc_ascii(m.agent_name, _W_NixlRegister['agent_name']),
-        _fe.enc_raw(m.agent_metadata, _W_NixlRegister['agent_metadata']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_NixlRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_NixlRegister['rank_port']),
+        m.agent_name.encode('ascii') if type(m.agent_name) is str and m.agent_name.isascii() else _fe.enc_ascii(m.agent_name, _W_NixlRegister['agent_name']),
+        m.agent_metadata if type(m.agent_metadata) is bytes else _fe.enc_raw(m.agent_metadata, _W_NixlRegister['agent_metadata']),
         _fe.enc_array(m.kv_data_ptrs, _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs']),
         _fe.enc_array(m.aux_data_ptrs, _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs']),
         _fe.enc_array(m.flat_state_data_ptrs, _fe.NATIVE_U64, _W_NixlRegister['flat_state_data_ptrs']),
-        _fe.enc_int(m.gpu_id, 0, 4294967295, _W_NixlRegister['gpu_id']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_NixlRegister['attn_tp_size']),
-        _fe.enc_int(m.engine_rank, 0, 4294967295, _W_NixlRegister['engine_rank']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
+        b"%d" % m.gpu_id if type(m.gpu_id) is int and 0 <= m.gpu_id <= 4294967295 else _fe.enc_int(m.gpu_id, 0, 4294967295, _W_NixlRegister['gpu_id']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_NixlRegister['attn_tp_size']),
+        b"%d" % m.engine_rank if type(m.engine_rank) is int and 0 <= m.engine_rank <= 4294967295 else _fe.enc_int(m.engine_rank, 0, 4294967295, _W_NixlRegister['engine_rank']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
         _fe.enc_array(m.flat_state_item_lens, _fe.NATIVE_U32, _W_NixlRegister['flat_state_item_lens']),
         _fe.enc_array(m.flat_state_dim_per_tensor, _fe.NATIVE_U32, _W_NixlRegister['flat_state_dim_per_tensor']),
         _fe.enc_u64_opt(m.staging_base_ptr, _W_NixlRegister['staging_base_ptr']),
-        _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_NixlRegister['staging_total_size']),
-        _fe.enc_int(m.num_slots, 0, 18446744073709551615, _W_NixlRegister['num_slots']),
+        b"" if m.staging_total_size is None else b"%d" % m.staging_total_size if type(m.staging_total_size) is int and 0 <= m.staging_total_size <= 18446744073709551615 else _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_NixlRegister['staging_total_size']),
+        b"%d" % m.num_slots if type(m.num_slots) is int and 0 <= m.num_slots <= 18446744073709551615 else _fe.enc_int(m.num_slots, 0, 18446744073709551615, _W_NixlRegister['num_slots']),
     ]
     return out
 
@@ -481,28 +638,109 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         err = _pc.count_error(PROFILE, _SPEC_NixlRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlRegister['guard'])
-    _fe.expect_const(fr[1], b'None', _W_NixlRegister['room_marker'])
+    if fr[0] != b'NixlMsgGuard':
+        _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlRegister['guard'])
+    if fr[1] != b'None':
+        _fe.expect_const(fr[1], b'None', _W_NixlRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_NixlRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
+    try:
+        f_agent_name = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_agent_name = _fe.dec_ascii(fr[4], _W_NixlRegister['agent_name'])
+    f_agent_metadata = bytes(fr[5])
+    f_kv_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs'])
+    f_aux_data_ptrs = _fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs'])
+    f_flat_state_data_ptrs = _fe.dec_array(fr[8], _fe.NATIVE_U64, _W_NixlRegister['flat_state_data_ptrs'])
+    try:
+        f_gpu_id = int(fr[9])
+    except (TypeError, ValueError):
+        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
+    else:
+        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[9]:
+            f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
+    try:
+        f_attn_tp_size = int(fr[10])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[10]:
+            f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
+    try:
+        f_engine_rank = int(fr[11])
+    except (TypeError, ValueError):
+        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
+    else:
+        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[11]:
+            f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
+    try:
+        f_kv_item_len = int(fr[12])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[12]:
+            f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
+    f_flat_state_item_lens = (_fe.dec_array(fr[13], _fe.NATIVE_U32, _W_NixlRegister['flat_state_item_lens'])) if n > 13 else _EMPTY_U32
+    f_flat_state_dim_per_tensor = (_fe.dec_array(fr[14], _fe.NATIVE_U32, _W_NixlRegister['flat_state_dim_per_tensor'])) if n > 14 else _EMPTY_U32
+    f_staging_base_ptr = (_fe.dec_u64_opt(fr[15], _W_NixlRegister['staging_base_ptr'])) if n > 15 else None
+    if n > 16:
+        if not fr[16]:
+            f_staging_total_size = None
+        else:
+            try:
+                f_staging_total_size = int(fr[16])
+            except (TypeError, ValueError):
+                f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
+            else:
+                if not 0 <= f_staging_total_size <= 18446744073709551615 or b"%d" % f_staging_total_size != fr[16]:
+                    f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
+    else:
+        f_staging_total_size = None
+    if n > 17:
+        try:
+            f_num_slots = int(fr[17])
+        except (TypeError, ValueError):
+            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
+        else:
+            if not 0 <= f_num_slots <= 18446744073709551615 or b"%d" % f_num_slots != fr[17]:
+                f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
+    else:
+        f_num_slots = 0
     m = NixlRegister(
-        local_ip=_fe.dec_ascii(fr[2], _W_NixlRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port']),
-        agent_name=_fe.dec_ascii(fr[4], _W_NixlRegister['agent_name']),
-        agent_metadata=_fe.dec_raw(fr[5], _W_NixlRegister['agent_metadata']),
-        kv_data_ptrs=_fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs']),
-        aux_data_ptrs=_fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs']),
-        flat_state_data_ptrs=_fe.dec_array(fr[8], _fe.NATIVE_U64, _W_NixlRegister['flat_state_data_ptrs']),
-        gpu_id=_fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id']),
-        attn_tp_size=_fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size']),
-        engine_rank=_fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank']),
-        kv_item_len=_fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
-        flat_state_item_lens=(_fe.dec_array(fr[13], _fe.NATIVE_U32, _W_NixlRegister['flat_state_item_lens']) if n > 13 else _EMPTY_U32),
-        flat_state_dim_per_tensor=(_fe.dec_array(fr[14], _fe.NATIVE_U32, _W_NixlRegister['flat_state_dim_per_tensor']) if n > 14 else _EMPTY_U32),
-        staging_base_ptr=(_fe.dec_u64_opt(fr[15], _W_NixlRegister['staging_base_ptr']) if n > 15 else None),
-        staging_total_size=(_fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size']) if n > 16 else None),
-        num_slots=(_fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots']) if n > 17 else 0),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        agent_name=f_agent_name,
+        agent_metadata=f_agent_metadata,
+        kv_data_ptrs=f_kv_data_ptrs,
+        aux_data_ptrs=f_aux_data_ptrs,
+        flat_state_data_ptrs=f_flat_state_data_ptrs,
+        gpu_id=f_gpu_id,
+        attn_tp_size=f_attn_tp_size,
+        engine_rank=f_engine_rank,
+        kv_item_len=f_kv_item_len,
+        flat_state_item_lens=f_flat_state_item_lens,
+        flat_state_dim_per_tensor=f_flat_state_dim_per_tensor,
+        staging_base_ptr=f_staging_base_ptr,
+        staging_total_size=f_staging_total_size,
+        num_slots=f_num_slots,
     )
-    _pc.raise_problems(_check_NixlRegister(m), _W_NixlRegister, decode=True)
+    problems = _check_NixlRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_NixlRegister, decode=True)
     return m
+
+
+def _rec_NixlRegister(fr: list[bytes]) -> bool:
+    return fr[1] == b'None'
 
 
 _SPEC_NixlRegister = _pc.MessageSpec(
@@ -517,10 +755,11 @@ _SPEC_NixlRegister = _pc.MessageSpec(
     encode=_enc_NixlRegister,
     check=_check_NixlRegister,
     derived=("effective_kv_item_lens", "effective_kv_mem_kinds", ),
+    rest=_rec_NixlRegister,
 )
 
 
-class NixlTransferInfo(msgspec.Struct, kw_only=True):
+class NixlTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per request and target. Note required_dst_info_num and the state indices
     swap places relative to Mooncake.
     """
@@ -580,15 +819,15 @@ def _check_NixlTransferInfo(m: NixlTransferInfo) -> _pc.Problems:
 def _enc_NixlTransferInfo(m: NixlTransferInfo) -> list[bytes]:
     out = [
         b'NixlMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_NixlTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_NixlTransferInfo['rank_port']),
-        _fe.enc_ascii(m.agent_name, _W_NixlTransferInfo['agent_name']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_NixlTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_NixlTransferInfo['rank_port']),
+        m.agent_name.encode('ascii') if type(m.agent_name) is str and m.agent_name.isascii() else _fe.enc_ascii(m.agent_name, _W_NixlTransferInfo['agent_name']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices']),
-        _fe.enc_int(m.aux_index, -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
+        b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int(m.aux_index, -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
         _fe.enc_array(m.flat_state_indices, _fe.NATIVE_I32, _W_NixlTransferInfo['flat_state_indices']),
-        _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']),
+        b"%d" % m.decode_prefix_len if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']),
     ]
     return out
 
@@ -599,19 +838,72 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_NixlTransferInfo, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlTransferInfo['guard'])
+    if fr[0] != b'NixlMsgGuard':
+        _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlTransferInfo['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_NixlTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
+    try:
+        f_agent_name = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_agent_name = _fe.dec_ascii(fr[4], _W_NixlTransferInfo['agent_name'])
+    f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices'])
+    try:
+        f_aux_index = int(fr[6])
+    except (TypeError, ValueError):
+        f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
+    else:
+        if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+            f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
+    try:
+        f_required_dst_info_num = int(fr[7])
+    except (TypeError, ValueError):
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
+    else:
+        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
+            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
+    f_flat_state_indices = _fe.dec_array(fr[8], _fe.NATIVE_I32, _W_NixlTransferInfo['flat_state_indices'])
+    if n > 9:
+        try:
+            f_decode_prefix_len = int(fr[9])
+        except (TypeError, ValueError):
+            f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
+        else:
+            if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+                f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
+    else:
+        f_decode_prefix_len = 0
     m = NixlTransferInfo(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[2], _W_NixlTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port']),
-        agent_name=_fe.dec_ascii(fr[4], _W_NixlTransferInfo['agent_name']),
-        kv_indices=_fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
-        required_dst_info_num=_fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
-        flat_state_indices=_fe.dec_array(fr[8], _fe.NATIVE_I32, _W_NixlTransferInfo['flat_state_indices']),
-        decode_prefix_len=(_fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']) if n > 9 else 0),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        agent_name=f_agent_name,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        required_dst_info_num=f_required_dst_info_num,
+        flat_state_indices=f_flat_state_indices,
+        decode_prefix_len=f_decode_prefix_len,
     )
     return m
+
+
+def _rec_NixlTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48))
 
 
 _SPEC_NixlTransferInfo = _pc.MessageSpec(
@@ -626,10 +918,11 @@ _SPEC_NixlTransferInfo = _pc.MessageSpec(
     encode=_enc_NixlTransferInfo,
     check=_check_NixlTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_NixlTransferInfo,
 )
 
 
-class MoriRegister(msgspec.Struct, kw_only=True):
+class MoriRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key. Memory descriptors are opaque MoRI blobs."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -694,16 +987,16 @@ def _enc_MoriRegister(m: MoriRegister) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_MoriRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MoriRegister['rank_port']),
-        _fe.enc_raw(m.engine_desc, _W_MoriRegister['engine_desc']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MoriRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MoriRegister['rank_port']),
+        m.engine_desc if type(m.engine_desc) is bytes else _fe.enc_raw(m.engine_desc, _W_MoriRegister['engine_desc']),
         _fe.enc_blobs(m.kv_mem_descs, _W_MoriRegister['kv_mem_descs']),
         _fe.enc_blobs(m.aux_mem_descs, _W_MoriRegister['aux_mem_descs']),
         _fe.enc_blobs(m.flat_state_mem_descs, _W_MoriRegister['flat_state_mem_descs']),
-        _fe.enc_int(m.gpu_id, 0, 4294967295, _W_MoriRegister['gpu_id']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MoriRegister['attn_tp_size']),
-        _fe.enc_int(m.engine_rank, 0, 4294967295, _W_MoriRegister['engine_rank']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
+        b"%d" % m.gpu_id if type(m.gpu_id) is int and 0 <= m.gpu_id <= 4294967295 else _fe.enc_int(m.gpu_id, 0, 4294967295, _W_MoriRegister['gpu_id']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MoriRegister['attn_tp_size']),
+        b"%d" % m.engine_rank if type(m.engine_rank) is int and 0 <= m.engine_rank <= 4294967295 else _fe.enc_int(m.engine_rank, 0, 4294967295, _W_MoriRegister['engine_rank']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
         _fe.enc_array(m.flat_state_item_lens, _fe.NATIVE_U32, _W_MoriRegister['flat_state_item_lens']),
         _fe.enc_array(m.flat_state_dim_per_tensor, _fe.NATIVE_U32, _W_MoriRegister['flat_state_dim_per_tensor']),
     ]
@@ -716,23 +1009,74 @@ def _dec_MoriRegister(fr: list[_fe.Buf]) -> MoriRegister:
         err = _pc.count_error(PROFILE, _SPEC_MoriRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriRegister['guard'])
-    _fe.expect_const(fr[1], b'None', _W_MoriRegister['room_marker'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriRegister['guard'])
+    if fr[1] != b'None':
+        _fe.expect_const(fr[1], b'None', _W_MoriRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_MoriRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
+    f_engine_desc = bytes(fr[4])
+    f_kv_mem_descs = _fe.dec_blobs(fr[5], _W_MoriRegister['kv_mem_descs'])
+    f_aux_mem_descs = _fe.dec_blobs(fr[6], _W_MoriRegister['aux_mem_descs'])
+    f_flat_state_mem_descs = _fe.dec_blobs(fr[7], _W_MoriRegister['flat_state_mem_descs'])
+    try:
+        f_gpu_id = int(fr[8])
+    except (TypeError, ValueError):
+        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
+    else:
+        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[8]:
+            f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
+    try:
+        f_attn_tp_size = int(fr[9])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[9]:
+            f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
+    try:
+        f_engine_rank = int(fr[10])
+    except (TypeError, ValueError):
+        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
+    else:
+        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[10]:
+            f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
+    try:
+        f_kv_item_len = int(fr[11])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[11]:
+            f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
+    f_flat_state_item_lens = _fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MoriRegister['flat_state_item_lens'])
+    f_flat_state_dim_per_tensor = _fe.dec_array(fr[13], _fe.NATIVE_U32, _W_MoriRegister['flat_state_dim_per_tensor'])
     m = MoriRegister(
-        local_ip=_fe.dec_ascii(fr[2], _W_MoriRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port']),
-        engine_desc=_fe.dec_raw(fr[4], _W_MoriRegister['engine_desc']),
-        kv_mem_descs=_fe.dec_blobs(fr[5], _W_MoriRegister['kv_mem_descs']),
-        aux_mem_descs=_fe.dec_blobs(fr[6], _W_MoriRegister['aux_mem_descs']),
-        flat_state_mem_descs=_fe.dec_blobs(fr[7], _W_MoriRegister['flat_state_mem_descs']),
-        gpu_id=_fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id']),
-        attn_tp_size=_fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size']),
-        engine_rank=_fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank']),
-        kv_item_len=_fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
-        flat_state_item_lens=_fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MoriRegister['flat_state_item_lens']),
-        flat_state_dim_per_tensor=_fe.dec_array(fr[13], _fe.NATIVE_U32, _W_MoriRegister['flat_state_dim_per_tensor']),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        engine_desc=f_engine_desc,
+        kv_mem_descs=f_kv_mem_descs,
+        aux_mem_descs=f_aux_mem_descs,
+        flat_state_mem_descs=f_flat_state_mem_descs,
+        gpu_id=f_gpu_id,
+        attn_tp_size=f_attn_tp_size,
+        engine_rank=f_engine_rank,
+        kv_item_len=f_kv_item_len,
+        flat_state_item_lens=f_flat_state_item_lens,
+        flat_state_dim_per_tensor=f_flat_state_dim_per_tensor,
     )
     return m
+
+
+def _rec_MoriRegister(fr: list[bytes]) -> bool:
+    return fr[1] == b'None'
 
 
 _SPEC_MoriRegister = _pc.MessageSpec(
@@ -747,10 +1091,11 @@ _SPEC_MoriRegister = _pc.MessageSpec(
     encode=_enc_MoriRegister,
     check=_check_MoriRegister,
     derived=(),
+    rest=_rec_MoriRegister,
 )
 
 
-class MoriTransferInfo(msgspec.Struct, kw_only=True):
+class MoriTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill. Dummy iff kv is empty, aux is None and decode_prefix_len is 0."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -810,15 +1155,15 @@ def _check_MoriTransferInfo(m: MoriTransferInfo) -> _pc.Problems:
 def _enc_MoriTransferInfo(m: MoriTransferInfo) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_MoriTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MoriTransferInfo['rank_port']),
-        _fe.enc_ascii(m.engine_key, _W_MoriTransferInfo['engine_key']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MoriTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MoriTransferInfo['rank_port']),
+        m.engine_key.encode('ascii') if type(m.engine_key) is str and m.engine_key.isascii() else _fe.enc_ascii(m.engine_key, _W_MoriTransferInfo['engine_key']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices']),
-        _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
+        b"" if m.aux_index is None else b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
         _fe.enc_array(m.flat_state_indices, _fe.NATIVE_I32, _W_MoriTransferInfo['flat_state_indices']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']),
-        _fe.enc_int_blank(m.decode_prefix_len, 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']),
+        (b"" if m.decode_prefix_len == 0 else b"%d" % m.decode_prefix_len) if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int_blank(m.decode_prefix_len, 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']),
     ]
     return out
 
@@ -829,19 +1174,83 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MoriTransferInfo, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriTransferInfo['guard'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriTransferInfo['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_MoriTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
+    try:
+        f_engine_key = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_engine_key = _fe.dec_ascii(fr[4], _W_MoriTransferInfo['engine_key'])
+    f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices'])
+    if not fr[6]:
+        f_aux_index = None
+    else:
+        try:
+            f_aux_index = int(fr[6])
+        except (TypeError, ValueError):
+            f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
+        else:
+            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+                f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
+    f_flat_state_indices = _fe.dec_array(fr[7], _fe.NATIVE_I32, _W_MoriTransferInfo['flat_state_indices'])
+    if n > 8:
+        try:
+            f_required_dst_info_num = int(fr[8])
+        except (TypeError, ValueError):
+            f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
+        else:
+            if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[8]:
+                f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
+    else:
+        f_required_dst_info_num = 1
+    if n > 9:
+        if not fr[9]:
+            f_decode_prefix_len = 0
+        else:
+            try:
+                f_decode_prefix_len = int(fr[9])
+            except (TypeError, ValueError):
+                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+            else:
+                if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+                    f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+            if f_decode_prefix_len == 0:
+                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+    else:
+        f_decode_prefix_len = 0
     m = MoriTransferInfo(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[2], _W_MoriTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port']),
-        engine_key=_fe.dec_ascii(fr[4], _W_MoriTransferInfo['engine_key']),
-        kv_indices=_fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
-        flat_state_indices=_fe.dec_array(fr[7], _fe.NATIVE_I32, _W_MoriTransferInfo['flat_state_indices']),
-        required_dst_info_num=(_fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']) if n > 8 else 1),
-        decode_prefix_len=(_fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']) if n > 9 else 0),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        engine_key=f_engine_key,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        flat_state_indices=f_flat_state_indices,
+        required_dst_info_num=f_required_dst_info_num,
+        decode_prefix_len=f_decode_prefix_len,
     )
     return m
+
+
+def _rec_MoriTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and not (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MoriTransferInfo = _pc.MessageSpec(
@@ -856,10 +1265,11 @@ _SPEC_MoriTransferInfo = _pc.MessageSpec(
     encode=_enc_MoriTransferInfo,
     check=_check_MoriTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_MoriTransferInfo,
 )
 
 
-class MoriStatus(msgspec.Struct, kw_only=True):
+class MoriStatus(msgspec.Struct, kw_only=True, gc=False):
     """Prefill -> decode. The status tag is the bootstrap guard string."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -897,10 +1307,10 @@ def _check_MoriStatus(m: MoriStatus) -> _pc.Problems:
 def _enc_MoriStatus(m: MoriStatus) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriStatus['room']),
-        _fe.enc_enum(m.status, KVPoll, _W_MoriStatus['status']),
-        _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MoriStatus['prefill_rank']),
-        _fe.enc_utf8_opt(m.reason, _W_MoriStatus['reason']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriStatus['room']),
+        _E_KVPoll[m.status] if type(m.status) is KVPoll else _fe.enc_enum(m.status, KVPoll, _W_MoriStatus['status']),
+        b"%d" % m.prefill_rank if type(m.prefill_rank) is int and 0 <= m.prefill_rank <= 4294967295 else _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MoriStatus['prefill_rank']),
+        b"" if m.reason is None else m.reason.encode('utf-8') if type(m.reason) is str and m.reason.isascii() and m.reason else _fe.enc_utf8_opt(m.reason, _W_MoriStatus['reason']),
     ]
     return out
 
@@ -911,14 +1321,40 @@ def _dec_MoriStatus(fr: list[_fe.Buf]) -> MoriStatus:
         err = _pc.count_error(PROFILE, _SPEC_MoriStatus, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriStatus['guard'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriStatus['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
+    f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
+    if f_status is None:
+        f_status = _fe.dec_enum(fr[2], KVPoll, _W_MoriStatus['status'])
+    try:
+        f_prefill_rank = int(fr[3])
+    except (TypeError, ValueError):
+        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
+    else:
+        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[3]:
+            f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
+    try:
+        f_reason = str(fr[4], 'utf-8') if fr[4] else None
+    except UnicodeDecodeError:
+        f_reason = _fe.dec_utf8_opt(fr[4], _W_MoriStatus['reason'])
     m = MoriStatus(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room']),
-        status=_fe.dec_enum(fr[2], KVPoll, _W_MoriStatus['status']),
-        prefill_rank=_fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank']),
-        reason=_fe.dec_utf8_opt(fr[4], _W_MoriStatus['reason']),
+        room=f_room,
+        status=f_status,
+        prefill_rank=f_prefill_rank,
+        reason=f_reason,
     )
     return m
+
+
+def _rec_MoriStatus(fr: list[bytes]) -> bool:
+    return (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MoriStatus = _pc.MessageSpec(
@@ -933,6 +1369,7 @@ _SPEC_MoriStatus = _pc.MessageSpec(
     encode=_enc_MoriStatus,
     check=_check_MoriStatus,
     derived=(),
+    rest=_rec_MoriStatus,
 )
 
 MESSAGES: tuple[_pc.MessageSpec, ...] = (

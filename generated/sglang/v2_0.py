@@ -44,7 +44,11 @@ class KVPoll(enum.IntEnum):
     SUCCESS = 4
 
 
-class MooncakeRegister(msgspec.Struct, kw_only=True):
+_T_KVPoll: dict[bytes, KVPoll] = {b"%d" % x: x for x in KVPoll}  # canonical text -> member
+_E_KVPoll: dict[KVPoll, bytes] = {x: b"%d" % x for x in KVPoll}
+
+
+class MooncakeRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key. Frames 10 onward may be missing (older decodes)."""
 
     BACKEND: ClassVar[str] = "mooncake"
@@ -126,32 +130,32 @@ _W_MooncakeRegister: dict[str, _Where] = {
 
 
 def _check_MooncakeRegister(m: MooncakeRegister) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.mooncake_register_staging(m)
-    return problems
+    return _rules.mooncake_register_staging(m)
 
 
 def _enc_MooncakeRegister(m: MooncakeRegister) -> list[bytes]:
-    _pc.raise_problems(_check_MooncakeRegister(m), _W_MooncakeRegister, decode=False)
+    problems = _check_MooncakeRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeRegister, decode=False)
     out = [
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_MooncakeRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeRegister['rank_port']),
-        _fe.enc_ascii(m.session_id, _W_MooncakeRegister['session_id']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MooncakeRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeRegister['rank_port']),
+        m.session_id.encode('ascii') if type(m.session_id) is str and m.session_id.isascii() else _fe.enc_ascii(m.session_id, _W_MooncakeRegister['session_id']),
         _fe.enc_array(m.kv_data_ptrs, _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs']),
         _fe.enc_array(m.aux_data_ptrs, _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs']),
         _fe.enc_lists(m.state_data_ptrs, _fe.LE_U64, _W_MooncakeRegister['state_data_ptrs']),
-        _fe.enc_int(m.dst_tp_rank, 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
+        b"%d" % m.dst_tp_rank if type(m.dst_tp_rank) is int and 0 <= m.dst_tp_rank <= 4294967295 else _fe.enc_int(m.dst_tp_rank, 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
         _fe.enc_lists(m.state_item_lens, _fe.LE_U32, _W_MooncakeRegister['state_item_lens']),
         _fe.enc_lists(m.state_dim_per_tensor, _fe.LE_U32, _W_MooncakeRegister['state_dim_per_tensor']),
         _fe.enc_array(m.kv_layer_ids, _fe.NATIVE_U32, _W_MooncakeRegister['kv_layer_ids']),
         _fe.enc_lists(m.state_layer_ids, _fe.LE_U32, _W_MooncakeRegister['state_layer_ids']),
         _fe.enc_u64_opt(m.staging_base_ptr, _W_MooncakeRegister['staging_base_ptr']),
-        _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_MooncakeRegister['staging_total_size']),
-        _fe.enc_int(m.dcp_size, 0, 4294967295, _W_MooncakeRegister['dcp_size']),
-        _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_MooncakeRegister['dcp_rank']),
+        b"" if m.staging_total_size is None else b"%d" % m.staging_total_size if type(m.staging_total_size) is int and 0 <= m.staging_total_size <= 18446744073709551615 else _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_MooncakeRegister['staging_total_size']),
+        b"%d" % m.dcp_size if type(m.dcp_size) is int and 0 <= m.dcp_size <= 4294967295 else _fe.enc_int(m.dcp_size, 0, 4294967295, _W_MooncakeRegister['dcp_size']),
+        b"%d" % m.dcp_rank if type(m.dcp_rank) is int and 0 <= m.dcp_rank <= 4294967295 else _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_MooncakeRegister['dcp_rank']),
         _fe.enc_array(m.staging_slot_layer_ids, _fe.NATIVE_U64, _W_MooncakeRegister['staging_slot_layer_ids']),
         _fe.enc_array(m.kv_item_lens, _fe.NATIVE_U64, _W_MooncakeRegister['kv_item_lens']),
     ]
@@ -164,29 +168,117 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'None', _W_MooncakeRegister['room_marker'])
+    if fr[0] != b'None':
+        _fe.expect_const(fr[0], b'None', _W_MooncakeRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[1], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[2])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
+    try:
+        f_session_id = str(fr[3], 'ascii')
+    except UnicodeDecodeError:
+        f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeRegister['session_id'])
+    f_kv_data_ptrs = _fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs'])
+    f_aux_data_ptrs = _fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs'])
+    f_state_data_ptrs = _fe.dec_lists(fr[6], _fe.LE_U64, _W_MooncakeRegister['state_data_ptrs'])
+    try:
+        f_dst_tp_rank = int(fr[7])
+    except (TypeError, ValueError):
+        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
+    else:
+        if not 0 <= f_dst_tp_rank <= 4294967295 or b"%d" % f_dst_tp_rank != fr[7]:
+            f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
+    try:
+        f_attn_tp_size = int(fr[8])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[8]:
+            f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
+    try:
+        f_kv_item_len = int(fr[9])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[9]:
+            f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
+    f_state_item_lens = (_fe.dec_lists(fr[10], _fe.LE_U32, _W_MooncakeRegister['state_item_lens'])) if n > 10 else []
+    f_state_dim_per_tensor = (_fe.dec_lists(fr[11], _fe.LE_U32, _W_MooncakeRegister['state_dim_per_tensor'])) if n > 11 else []
+    f_kv_layer_ids = (_fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MooncakeRegister['kv_layer_ids'])) if n > 12 else _EMPTY_U32
+    f_state_layer_ids = (_fe.dec_lists(fr[13], _fe.LE_U32, _W_MooncakeRegister['state_layer_ids'])) if n > 13 else []
+    f_staging_base_ptr = (_fe.dec_u64_opt(fr[14], _W_MooncakeRegister['staging_base_ptr'])) if n > 14 else None
+    if n > 15:
+        if not fr[15]:
+            f_staging_total_size = None
+        else:
+            try:
+                f_staging_total_size = int(fr[15])
+            except (TypeError, ValueError):
+                f_staging_total_size = _fe.dec_int_opt(fr[15], 0, 18446744073709551615, _W_MooncakeRegister['staging_total_size'])
+            else:
+                if not 0 <= f_staging_total_size <= 18446744073709551615 or b"%d" % f_staging_total_size != fr[15]:
+                    f_staging_total_size = _fe.dec_int_opt(fr[15], 0, 18446744073709551615, _W_MooncakeRegister['staging_total_size'])
+    else:
+        f_staging_total_size = None
+    if n > 16:
+        if not fr[16]:
+            f_dcp_size = 1
+        else:
+            try:
+                f_dcp_size = int(fr[16])
+            except (TypeError, ValueError):
+                f_dcp_size = _fe.dec_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister['dcp_size'])
+            else:
+                if not 0 <= f_dcp_size <= 4294967295 or b"%d" % f_dcp_size != fr[16]:
+                    f_dcp_size = _fe.dec_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister['dcp_size'])
+    else:
+        f_dcp_size = 1
+    if n > 17:
+        if not fr[17]:
+            f_dcp_rank = 0
+        else:
+            try:
+                f_dcp_rank = int(fr[17])
+            except (TypeError, ValueError):
+                f_dcp_rank = _fe.dec_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister['dcp_rank'])
+            else:
+                if not 0 <= f_dcp_rank <= 4294967295 or b"%d" % f_dcp_rank != fr[17]:
+                    f_dcp_rank = _fe.dec_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister['dcp_rank'])
+    else:
+        f_dcp_rank = 0
+    f_staging_slot_layer_ids = (_fe.dec_array(fr[18], _fe.NATIVE_U64, _W_MooncakeRegister['staging_slot_layer_ids'])) if n > 18 else _EMPTY_U64
+    f_kv_item_lens = (_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_MooncakeRegister['kv_item_lens'])) if n > 19 else _EMPTY_U64
     m = MooncakeRegister(
-        local_ip=_fe.dec_ascii(fr[1], _W_MooncakeRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port']),
-        session_id=_fe.dec_ascii(fr[3], _W_MooncakeRegister['session_id']),
-        kv_data_ptrs=_fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs']),
-        aux_data_ptrs=_fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs']),
-        state_data_ptrs=_fe.dec_lists(fr[6], _fe.LE_U64, _W_MooncakeRegister['state_data_ptrs']),
-        dst_tp_rank=_fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank']),
-        attn_tp_size=_fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size']),
-        kv_item_len=_fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len']),
-        state_item_lens=(_fe.dec_lists(fr[10], _fe.LE_U32, _W_MooncakeRegister['state_item_lens']) if n > 10 else []),
-        state_dim_per_tensor=(_fe.dec_lists(fr[11], _fe.LE_U32, _W_MooncakeRegister['state_dim_per_tensor']) if n > 11 else []),
-        kv_layer_ids=(_fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MooncakeRegister['kv_layer_ids']) if n > 12 else _EMPTY_U32),
-        state_layer_ids=(_fe.dec_lists(fr[13], _fe.LE_U32, _W_MooncakeRegister['state_layer_ids']) if n > 13 else []),
-        staging_base_ptr=(_fe.dec_u64_opt(fr[14], _W_MooncakeRegister['staging_base_ptr']) if n > 14 else None),
-        staging_total_size=(_fe.dec_int_opt(fr[15], 0, 18446744073709551615, _W_MooncakeRegister['staging_total_size']) if n > 15 else None),
-        dcp_size=(_fe.dec_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister['dcp_size']) if n > 16 else 1),
-        dcp_rank=(_fe.dec_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister['dcp_rank']) if n > 17 else 0),
-        staging_slot_layer_ids=(_fe.dec_array(fr[18], _fe.NATIVE_U64, _W_MooncakeRegister['staging_slot_layer_ids']) if n > 18 else _EMPTY_U64),
-        kv_item_lens=(_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_MooncakeRegister['kv_item_lens']) if n > 19 else _EMPTY_U64),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        session_id=f_session_id,
+        kv_data_ptrs=f_kv_data_ptrs,
+        aux_data_ptrs=f_aux_data_ptrs,
+        state_data_ptrs=f_state_data_ptrs,
+        dst_tp_rank=f_dst_tp_rank,
+        attn_tp_size=f_attn_tp_size,
+        kv_item_len=f_kv_item_len,
+        state_item_lens=f_state_item_lens,
+        state_dim_per_tensor=f_state_dim_per_tensor,
+        kv_layer_ids=f_kv_layer_ids,
+        state_layer_ids=f_state_layer_ids,
+        staging_base_ptr=f_staging_base_ptr,
+        staging_total_size=f_staging_total_size,
+        dcp_size=f_dcp_size,
+        dcp_rank=f_dcp_rank,
+        staging_slot_layer_ids=f_staging_slot_layer_ids,
+        kv_item_lens=f_kv_item_lens,
     )
-    _pc.raise_problems(_check_MooncakeRegister(m), _W_MooncakeRegister, decode=True)
+    problems = _check_MooncakeRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeRegister, decode=True)
     return m
 
 
@@ -202,10 +294,11 @@ _SPEC_MooncakeRegister = _pc.MessageSpec(
     encode=_enc_MooncakeRegister,
     check=_check_MooncakeRegister,
     derived=(),
+    rest=None,
 )
 
 
-class MooncakeTransferInfo(msgspec.Struct, kw_only=True):
+class MooncakeTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per request and target prefill rank. Dummy iff frames 4 and 5 are both
     empty.
     """
@@ -263,23 +356,23 @@ _W_MooncakeTransferInfo: dict[str, _Where] = {
 
 
 def _check_MooncakeTransferInfo(m: MooncakeTransferInfo) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.mooncake_transfer_dummy(m)
-    return problems
+    return _rules.mooncake_transfer_dummy(m)
 
 
 def _enc_MooncakeTransferInfo(m: MooncakeTransferInfo) -> list[bytes]:
-    _pc.raise_problems(_check_MooncakeTransferInfo(m), _W_MooncakeTransferInfo, decode=False)
+    problems = _check_MooncakeTransferInfo(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeTransferInfo, decode=False)
     out = [
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_MooncakeTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeTransferInfo['rank_port']),
-        _fe.enc_ascii(m.session_id, _W_MooncakeTransferInfo['session_id']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MooncakeTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MooncakeTransferInfo['rank_port']),
+        m.session_id.encode('ascii') if type(m.session_id) is str and m.session_id.isascii() else _fe.enc_ascii(m.session_id, _W_MooncakeTransferInfo['session_id']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices']),
-        _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
+        b"" if m.aux_index is None else b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
         _fe.enc_lists(m.state_indices, _fe.LE_I32, _W_MooncakeTransferInfo['state_indices']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
-        _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
+        b"%d" % m.decode_prefix_len if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']),
         _fe.enc_array(m.device_kv_indices, _fe.NATIVE_I32, _W_MooncakeTransferInfo['device_kv_indices']),
     ]
     return out
@@ -291,20 +384,78 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeTransferInfo, n)
         assert err is not None
         raise err
+    try:
+        f_room = int(fr[0])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[1], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[2])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
+    try:
+        f_session_id = str(fr[3], 'ascii')
+    except UnicodeDecodeError:
+        f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeTransferInfo['session_id'])
+    f_kv_indices = _fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices'])
+    if not fr[5]:
+        f_aux_index = None
+    else:
+        try:
+            f_aux_index = int(fr[5])
+        except (TypeError, ValueError):
+            f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
+        else:
+            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[5]:
+                f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
+    f_state_indices = _fe.dec_lists(fr[6], _fe.LE_I32, _W_MooncakeTransferInfo['state_indices'])
+    try:
+        f_required_dst_info_num = int(fr[7])
+    except (TypeError, ValueError):
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    else:
+        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
+            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    if n > 8:
+        try:
+            f_decode_prefix_len = int(fr[8])
+        except (TypeError, ValueError):
+            f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
+        else:
+            if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[8]:
+                f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
+    else:
+        f_decode_prefix_len = 0
+    f_device_kv_indices = (_fe.dec_array(fr[9], _fe.NATIVE_I32, _W_MooncakeTransferInfo['device_kv_indices'])) if n > 9 else _EMPTY_I32
     m = MooncakeTransferInfo(
-        room=_fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[1], _W_MooncakeTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port']),
-        session_id=_fe.dec_ascii(fr[3], _W_MooncakeTransferInfo['session_id']),
-        kv_indices=_fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index']),
-        state_indices=_fe.dec_lists(fr[6], _fe.LE_I32, _W_MooncakeTransferInfo['state_indices']),
-        required_dst_info_num=_fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num']),
-        decode_prefix_len=(_fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len']) if n > 8 else 0),
-        device_kv_indices=(_fe.dec_array(fr[9], _fe.NATIVE_I32, _W_MooncakeTransferInfo['device_kv_indices']) if n > 9 else _EMPTY_I32),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        session_id=f_session_id,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        state_indices=f_state_indices,
+        required_dst_info_num=f_required_dst_info_num,
+        decode_prefix_len=f_decode_prefix_len,
+        device_kv_indices=f_device_kv_indices,
     )
-    _pc.raise_problems(_check_MooncakeTransferInfo(m), _W_MooncakeTransferInfo, decode=True)
+    problems = _check_MooncakeTransferInfo(m)
+    if problems:
+        _pc.raise_problems(problems, _W_MooncakeTransferInfo, decode=True)
     return m
+
+
+def _rec_MooncakeTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and not (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48))
 
 
 _SPEC_MooncakeTransferInfo = _pc.MessageSpec(
@@ -319,10 +470,11 @@ _SPEC_MooncakeTransferInfo = _pc.MessageSpec(
     encode=_enc_MooncakeTransferInfo,
     check=_check_MooncakeTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_MooncakeTransferInfo,
 )
 
 
-class MooncakeStatus(msgspec.Struct, kw_only=True):
+class MooncakeStatus(msgspec.Struct, kw_only=True, gc=False):
     """Prefill -> decode. Untagged; 0.5.23 drops the failure reason, but its parser reads frame 3 if
     present.
     """
@@ -361,12 +513,12 @@ def _check_MooncakeStatus(m: MooncakeStatus) -> _pc.Problems:
 
 def _enc_MooncakeStatus(m: MooncakeStatus) -> list[bytes]:
     out = [
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeStatus['room']),
-        _fe.enc_enum(m.status, KVPoll, _W_MooncakeStatus['status']),
-        _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MooncakeStatus['room']),
+        _E_KVPoll[m.status] if type(m.status) is KVPoll else _fe.enc_enum(m.status, KVPoll, _W_MooncakeStatus['status']),
+        b"%d" % m.prefill_rank if type(m.prefill_rank) is int and 0 <= m.prefill_rank <= 4294967295 else _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
     ]
     if m.reason is not None:  # the builder leaves this last frame out
-        out.append(_fe.enc_utf8_opt(m.reason, _W_MooncakeStatus['reason']))
+        out.append(b"" if m.reason is None else m.reason.encode('utf-8') if type(m.reason) is str and m.reason.isascii() and m.reason else _fe.enc_utf8_opt(m.reason, _W_MooncakeStatus['reason']))
     return out
 
 
@@ -376,13 +528,41 @@ def _dec_MooncakeStatus(fr: list[_fe.Buf]) -> MooncakeStatus:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeStatus, n)
         assert err is not None
         raise err
+    try:
+        f_room = int(fr[0])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
+    f_status = _T_KVPoll.get(fr[1]) if type(fr[1]) is bytes else None
+    if f_status is None:
+        f_status = _fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus['status'])
+    try:
+        f_prefill_rank = int(fr[2])
+    except (TypeError, ValueError):
+        f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
+    else:
+        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[2]:
+            f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
+    if n > 3:
+        try:
+            f_reason = str(fr[3], 'utf-8') if fr[3] else None
+        except UnicodeDecodeError:
+            f_reason = _fe.dec_utf8_opt(fr[3], _W_MooncakeStatus['reason'])
+    else:
+        f_reason = None
     m = MooncakeStatus(
-        room=_fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room']),
-        status=_fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus['status']),
-        prefill_rank=_fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank']),
-        reason=(_fe.dec_utf8_opt(fr[3], _W_MooncakeStatus['reason']) if n > 3 else None),
+        room=f_room,
+        status=f_status,
+        prefill_rank=f_prefill_rank,
+        reason=f_reason,
     )
     return m
+
+
+def _rec_MooncakeStatus(fr: list[bytes]) -> bool:
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MooncakeStatus = _pc.MessageSpec(
@@ -397,10 +577,11 @@ _SPEC_MooncakeStatus = _pc.MessageSpec(
     encode=_enc_MooncakeStatus,
     check=_check_MooncakeStatus,
     derived=(),
+    rest=_rec_MooncakeStatus,
 )
 
 
-class NixlRegister(msgspec.Struct, kw_only=True):
+class NixlRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key."""
 
     BACKEND: ClassVar[str] = "nixl"
@@ -502,38 +683,38 @@ _W_NixlRegister: dict[str, _Where] = {
 
 
 def _check_NixlRegister(m: NixlRegister) -> _pc.Problems:
-    problems: _pc.Problems = []
-    problems += _rules.nixl_register_kv(m)
-    return problems
+    return _rules.nixl_register_kv(m)
 
 
 def _enc_NixlRegister(m: NixlRegister) -> list[bytes]:
-    _pc.raise_problems(_check_NixlRegister(m), _W_NixlRegister, decode=False)
+    problems = _check_NixlRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_NixlRegister, decode=False)
     out = [
         b'NixlMsgGuard',
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_NixlRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_NixlRegister['rank_port']),
-        _fe.enc_ascii(m.agent_name, _W_NixlRegister['agent_name']),
-        _fe.enc_raw(m.agent_metadata, _W_NixlRegister['agent_metadata']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_NixlRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_NixlRegister['rank_port']),
+        m.agent_name.encode('ascii') if type(m.agent_name) is str and m.agent_name.isascii() else _fe.enc_ascii(m.agent_name, _W_NixlRegister['agent_name']),
+        m.agent_metadata if type(m.agent_metadata) is bytes else _fe.enc_raw(m.agent_metadata, _W_NixlRegister['agent_metadata']),
         _fe.enc_array(m.kv_data_ptrs, _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs']),
         _fe.enc_array(m.aux_data_ptrs, _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs']),
         _fe.enc_lists(m.state_data_ptrs, _fe.LE_U64, _W_NixlRegister['state_data_ptrs']),
-        _fe.enc_int(m.gpu_id, 0, 4294967295, _W_NixlRegister['gpu_id']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_NixlRegister['attn_tp_size']),
-        _fe.enc_int(m.engine_rank, 0, 4294967295, _W_NixlRegister['engine_rank']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
+        b"%d" % m.gpu_id if type(m.gpu_id) is int and 0 <= m.gpu_id <= 4294967295 else _fe.enc_int(m.gpu_id, 0, 4294967295, _W_NixlRegister['gpu_id']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_NixlRegister['attn_tp_size']),
+        b"%d" % m.engine_rank if type(m.engine_rank) is int and 0 <= m.engine_rank <= 4294967295 else _fe.enc_int(m.engine_rank, 0, 4294967295, _W_NixlRegister['engine_rank']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
         _fe.enc_lists(m.state_item_lens, _fe.LE_U32, _W_NixlRegister['state_item_lens']),
         _fe.enc_lists(m.state_dim_per_tensor, _fe.LE_U32, _W_NixlRegister['state_dim_per_tensor']),
         _fe.enc_u64_opt(m.staging_base_ptr, _W_NixlRegister['staging_base_ptr']),
-        _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_NixlRegister['staging_total_size']),
-        _fe.enc_int(m.num_slots, 0, 18446744073709551615, _W_NixlRegister['num_slots']),
+        b"" if m.staging_total_size is None else b"%d" % m.staging_total_size if type(m.staging_total_size) is int and 0 <= m.staging_total_size <= 18446744073709551615 else _fe.enc_int_opt(m.staging_total_size, 0, 18446744073709551615, _W_NixlRegister['staging_total_size']),
+        b"%d" % m.num_slots if type(m.num_slots) is int and 0 <= m.num_slots <= 18446744073709551615 else _fe.enc_int(m.num_slots, 0, 18446744073709551615, _W_NixlRegister['num_slots']),
         _fe.enc_csv(m.kv_mem_kinds, _W_NixlRegister['kv_mem_kinds']),
         _fe.enc_array(m.kv_item_lens, _fe.NATIVE_U64, _W_NixlRegister['kv_item_lens']),
         _fe.enc_lists(m.state_layer_ids, _fe.LE_U32, _W_NixlRegister['state_layer_ids']),
         _fe.enc_array(m.kv_layer_ids, _fe.NATIVE_U32, _W_NixlRegister['kv_layer_ids']),
-        _fe.enc_int(m.dcp_size, 0, 4294967295, _W_NixlRegister['dcp_size']),
-        _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_NixlRegister['dcp_rank']),
+        b"%d" % m.dcp_size if type(m.dcp_size) is int and 0 <= m.dcp_size <= 4294967295 else _fe.enc_int(m.dcp_size, 0, 4294967295, _W_NixlRegister['dcp_size']),
+        b"%d" % m.dcp_rank if type(m.dcp_rank) is int and 0 <= m.dcp_rank <= 4294967295 else _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_NixlRegister['dcp_rank']),
         _fe.enc_lists(m.state_data_lens, _fe.LE_U64, _W_NixlRegister['state_data_lens']),
     ]
     return out
@@ -545,35 +726,135 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         err = _pc.count_error(PROFILE, _SPEC_NixlRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlRegister['guard'])
-    _fe.expect_const(fr[1], b'None', _W_NixlRegister['room_marker'])
+    if fr[0] != b'NixlMsgGuard':
+        _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlRegister['guard'])
+    if fr[1] != b'None':
+        _fe.expect_const(fr[1], b'None', _W_NixlRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_NixlRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
+    try:
+        f_agent_name = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_agent_name = _fe.dec_ascii(fr[4], _W_NixlRegister['agent_name'])
+    f_agent_metadata = bytes(fr[5])
+    f_kv_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs'])
+    f_aux_data_ptrs = _fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs'])
+    f_state_data_ptrs = _fe.dec_lists(fr[8], _fe.LE_U64, _W_NixlRegister['state_data_ptrs'])
+    try:
+        f_gpu_id = int(fr[9])
+    except (TypeError, ValueError):
+        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
+    else:
+        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[9]:
+            f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
+    try:
+        f_attn_tp_size = int(fr[10])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[10]:
+            f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
+    try:
+        f_engine_rank = int(fr[11])
+    except (TypeError, ValueError):
+        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
+    else:
+        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[11]:
+            f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
+    try:
+        f_kv_item_len = int(fr[12])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[12]:
+            f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
+    f_state_item_lens = _fe.dec_lists(fr[13], _fe.LE_U32, _W_NixlRegister['state_item_lens'])
+    f_state_dim_per_tensor = _fe.dec_lists(fr[14], _fe.LE_U32, _W_NixlRegister['state_dim_per_tensor'])
+    f_staging_base_ptr = _fe.dec_u64_opt(fr[15], _W_NixlRegister['staging_base_ptr'])
+    if not fr[16]:
+        f_staging_total_size = None
+    else:
+        try:
+            f_staging_total_size = int(fr[16])
+        except (TypeError, ValueError):
+            f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
+        else:
+            if not 0 <= f_staging_total_size <= 18446744073709551615 or b"%d" % f_staging_total_size != fr[16]:
+                f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
+    try:
+        f_num_slots = int(fr[17])
+    except (TypeError, ValueError):
+        f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
+    else:
+        if not 0 <= f_num_slots <= 18446744073709551615 or b"%d" % f_num_slots != fr[17]:
+            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
+    f_kv_mem_kinds = _fe.dec_csv(fr[18], _W_NixlRegister['kv_mem_kinds'])
+    f_kv_item_lens = (_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_NixlRegister['kv_item_lens'])) if n > 19 else _EMPTY_U64
+    f_state_layer_ids = (_fe.dec_lists(fr[20], _fe.LE_U32, _W_NixlRegister['state_layer_ids'])) if n > 20 else []
+    f_kv_layer_ids = (_fe.dec_array(fr[21], _fe.NATIVE_U32, _W_NixlRegister['kv_layer_ids'])) if n > 21 else _EMPTY_U32
+    if n > 22:
+        try:
+            f_dcp_size = int(fr[22])
+        except (TypeError, ValueError):
+            f_dcp_size = _fe.dec_int(fr[22], 0, 4294967295, _W_NixlRegister['dcp_size'])
+        else:
+            if not 0 <= f_dcp_size <= 4294967295 or b"%d" % f_dcp_size != fr[22]:
+                f_dcp_size = _fe.dec_int(fr[22], 0, 4294967295, _W_NixlRegister['dcp_size'])
+    else:
+        f_dcp_size = 1
+    if n > 23:
+        try:
+            f_dcp_rank = int(fr[23])
+        except (TypeError, ValueError):
+            f_dcp_rank = _fe.dec_int(fr[23], 0, 4294967295, _W_NixlRegister['dcp_rank'])
+        else:
+            if not 0 <= f_dcp_rank <= 4294967295 or b"%d" % f_dcp_rank != fr[23]:
+                f_dcp_rank = _fe.dec_int(fr[23], 0, 4294967295, _W_NixlRegister['dcp_rank'])
+    else:
+        f_dcp_rank = 0
+    f_state_data_lens = (_fe.dec_lists(fr[24], _fe.LE_U64, _W_NixlRegister['state_data_lens'])) if n > 24 else []
     m = NixlRegister(
-        local_ip=_fe.dec_ascii(fr[2], _W_NixlRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port']),
-        agent_name=_fe.dec_ascii(fr[4], _W_NixlRegister['agent_name']),
-        agent_metadata=_fe.dec_raw(fr[5], _W_NixlRegister['agent_metadata']),
-        kv_data_ptrs=_fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs']),
-        aux_data_ptrs=_fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs']),
-        state_data_ptrs=_fe.dec_lists(fr[8], _fe.LE_U64, _W_NixlRegister['state_data_ptrs']),
-        gpu_id=_fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id']),
-        attn_tp_size=_fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size']),
-        engine_rank=_fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank']),
-        kv_item_len=_fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len']),
-        state_item_lens=_fe.dec_lists(fr[13], _fe.LE_U32, _W_NixlRegister['state_item_lens']),
-        state_dim_per_tensor=_fe.dec_lists(fr[14], _fe.LE_U32, _W_NixlRegister['state_dim_per_tensor']),
-        staging_base_ptr=_fe.dec_u64_opt(fr[15], _W_NixlRegister['staging_base_ptr']),
-        staging_total_size=_fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size']),
-        num_slots=_fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots']),
-        kv_mem_kinds=_fe.dec_csv(fr[18], _W_NixlRegister['kv_mem_kinds']),
-        kv_item_lens=(_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_NixlRegister['kv_item_lens']) if n > 19 else _EMPTY_U64),
-        state_layer_ids=(_fe.dec_lists(fr[20], _fe.LE_U32, _W_NixlRegister['state_layer_ids']) if n > 20 else []),
-        kv_layer_ids=(_fe.dec_array(fr[21], _fe.NATIVE_U32, _W_NixlRegister['kv_layer_ids']) if n > 21 else _EMPTY_U32),
-        dcp_size=(_fe.dec_int(fr[22], 0, 4294967295, _W_NixlRegister['dcp_size']) if n > 22 else 1),
-        dcp_rank=(_fe.dec_int(fr[23], 0, 4294967295, _W_NixlRegister['dcp_rank']) if n > 23 else 0),
-        state_data_lens=(_fe.dec_lists(fr[24], _fe.LE_U64, _W_NixlRegister['state_data_lens']) if n > 24 else []),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        agent_name=f_agent_name,
+        agent_metadata=f_agent_metadata,
+        kv_data_ptrs=f_kv_data_ptrs,
+        aux_data_ptrs=f_aux_data_ptrs,
+        state_data_ptrs=f_state_data_ptrs,
+        gpu_id=f_gpu_id,
+        attn_tp_size=f_attn_tp_size,
+        engine_rank=f_engine_rank,
+        kv_item_len=f_kv_item_len,
+        state_item_lens=f_state_item_lens,
+        state_dim_per_tensor=f_state_dim_per_tensor,
+        staging_base_ptr=f_staging_base_ptr,
+        staging_total_size=f_staging_total_size,
+        num_slots=f_num_slots,
+        kv_mem_kinds=f_kv_mem_kinds,
+        kv_item_lens=f_kv_item_lens,
+        state_layer_ids=f_state_layer_ids,
+        kv_layer_ids=f_kv_layer_ids,
+        dcp_size=f_dcp_size,
+        dcp_rank=f_dcp_rank,
+        state_data_lens=f_state_data_lens,
     )
-    _pc.raise_problems(_check_NixlRegister(m), _W_NixlRegister, decode=True)
+    problems = _check_NixlRegister(m)
+    if problems:
+        _pc.raise_problems(problems, _W_NixlRegister, decode=True)
     return m
+
+
+def _rec_NixlRegister(fr: list[bytes]) -> bool:
+    return fr[1] == b'None'
 
 
 _SPEC_NixlRegister = _pc.MessageSpec(
@@ -588,10 +869,11 @@ _SPEC_NixlRegister = _pc.MessageSpec(
     encode=_enc_NixlRegister,
     check=_check_NixlRegister,
     derived=("effective_kv_item_lens", "effective_kv_mem_kinds", ),
+    rest=_rec_NixlRegister,
 )
 
 
-class NixlTransferInfo(msgspec.Struct, kw_only=True):
+class NixlTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per request and target. Note required_dst_info_num and the state indices
     swap places relative to Mooncake.
     """
@@ -656,16 +938,16 @@ def _check_NixlTransferInfo(m: NixlTransferInfo) -> _pc.Problems:
 def _enc_NixlTransferInfo(m: NixlTransferInfo) -> list[bytes]:
     out = [
         b'NixlMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_NixlTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_NixlTransferInfo['rank_port']),
-        _fe.enc_ascii(m.agent_name, _W_NixlTransferInfo['agent_name']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_NixlTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_NixlTransferInfo['rank_port']),
+        m.agent_name.encode('ascii') if type(m.agent_name) is str and m.agent_name.isascii() else _fe.enc_ascii(m.agent_name, _W_NixlTransferInfo['agent_name']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices']),
-        _fe.enc_int(m.aux_index, -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
+        b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int(m.aux_index, -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
         _fe.enc_lists(m.state_indices, _fe.LE_I32, _W_NixlTransferInfo['state_indices']),
-        _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']),
-        _fe.enc_flag_opt(m.is_dummy_rank, _W_NixlTransferInfo['is_dummy_rank']),
+        b"%d" % m.decode_prefix_len if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int(m.decode_prefix_len, 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']),
+        b"" if m.is_dummy_rank is None else (b"1" if m.is_dummy_rank else b"0") if type(m.is_dummy_rank) is bool else _fe.enc_flag_opt(m.is_dummy_rank, _W_NixlTransferInfo['is_dummy_rank']),
     ]
     return out
 
@@ -676,20 +958,71 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_NixlTransferInfo, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlTransferInfo['guard'])
+    if fr[0] != b'NixlMsgGuard':
+        _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlTransferInfo['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_NixlTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
+    try:
+        f_agent_name = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_agent_name = _fe.dec_ascii(fr[4], _W_NixlTransferInfo['agent_name'])
+    f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices'])
+    try:
+        f_aux_index = int(fr[6])
+    except (TypeError, ValueError):
+        f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
+    else:
+        if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+            f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
+    try:
+        f_required_dst_info_num = int(fr[7])
+    except (TypeError, ValueError):
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
+    else:
+        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
+            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
+    f_state_indices = _fe.dec_lists(fr[8], _fe.LE_I32, _W_NixlTransferInfo['state_indices'])
+    try:
+        f_decode_prefix_len = int(fr[9])
+    except (TypeError, ValueError):
+        f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
+    else:
+        if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+            f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
+    f_is_dummy_rank = (None if not fr[10] else True if fr[10] == b"1" else False if fr[10] == b"0" else _fe.dec_flag_opt(fr[10], _W_NixlTransferInfo['is_dummy_rank'])) if n > 10 else None
     m = NixlTransferInfo(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[2], _W_NixlTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port']),
-        agent_name=_fe.dec_ascii(fr[4], _W_NixlTransferInfo['agent_name']),
-        kv_indices=_fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index']),
-        required_dst_info_num=_fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num']),
-        state_indices=_fe.dec_lists(fr[8], _fe.LE_I32, _W_NixlTransferInfo['state_indices']),
-        decode_prefix_len=_fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len']),
-        is_dummy_rank=(_fe.dec_flag_opt(fr[10], _W_NixlTransferInfo['is_dummy_rank']) if n > 10 else None),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        agent_name=f_agent_name,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        required_dst_info_num=f_required_dst_info_num,
+        state_indices=f_state_indices,
+        decode_prefix_len=f_decode_prefix_len,
+        is_dummy_rank=f_is_dummy_rank,
     )
     return m
+
+
+def _rec_NixlTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48))
 
 
 _SPEC_NixlTransferInfo = _pc.MessageSpec(
@@ -704,10 +1037,11 @@ _SPEC_NixlTransferInfo = _pc.MessageSpec(
     encode=_enc_NixlTransferInfo,
     check=_check_NixlTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_NixlTransferInfo,
 )
 
 
-class NixlStatus(msgspec.Struct, kw_only=True):
+class NixlStatus(msgspec.Struct, kw_only=True, gc=False):
     """Prefill -> decode."""
 
     BACKEND: ClassVar[str] = "nixl"
@@ -746,10 +1080,10 @@ def _check_NixlStatus(m: NixlStatus) -> _pc.Problems:
 def _enc_NixlStatus(m: NixlStatus) -> list[bytes]:
     out = [
         b'KV_STATUS',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlStatus['room']),
-        _fe.enc_enum(m.status, KVPoll, _W_NixlStatus['status']),
-        _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_NixlStatus['prefill_rank']),
-        _fe.enc_utf8_opt(m.reason, _W_NixlStatus['reason']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_NixlStatus['room']),
+        _E_KVPoll[m.status] if type(m.status) is KVPoll else _fe.enc_enum(m.status, KVPoll, _W_NixlStatus['status']),
+        b"%d" % m.prefill_rank if type(m.prefill_rank) is int and 0 <= m.prefill_rank <= 4294967295 else _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_NixlStatus['prefill_rank']),
+        b"" if m.reason is None else m.reason.encode('utf-8') if type(m.reason) is str and m.reason.isascii() and m.reason else _fe.enc_utf8_opt(m.reason, _W_NixlStatus['reason']),
     ]
     return out
 
@@ -760,12 +1094,34 @@ def _dec_NixlStatus(fr: list[_fe.Buf]) -> NixlStatus:
         err = _pc.count_error(PROFILE, _SPEC_NixlStatus, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'KV_STATUS', _W_NixlStatus['tag'])
+    if fr[0] != b'KV_STATUS':
+        _fe.expect_const(fr[0], b'KV_STATUS', _W_NixlStatus['tag'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlStatus['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlStatus['room'])
+    f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
+    if f_status is None:
+        f_status = _fe.dec_enum(fr[2], KVPoll, _W_NixlStatus['status'])
+    try:
+        f_prefill_rank = int(fr[3])
+    except (TypeError, ValueError):
+        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_NixlStatus['prefill_rank'])
+    else:
+        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[3]:
+            f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_NixlStatus['prefill_rank'])
+    try:
+        f_reason = str(fr[4], 'utf-8') if fr[4] else None
+    except UnicodeDecodeError:
+        f_reason = _fe.dec_utf8_opt(fr[4], _W_NixlStatus['reason'])
     m = NixlStatus(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlStatus['room']),
-        status=_fe.dec_enum(fr[2], KVPoll, _W_NixlStatus['status']),
-        prefill_rank=_fe.dec_int(fr[3], 0, 4294967295, _W_NixlStatus['prefill_rank']),
-        reason=_fe.dec_utf8_opt(fr[4], _W_NixlStatus['reason']),
+        room=f_room,
+        status=f_status,
+        prefill_rank=f_prefill_rank,
+        reason=f_reason,
     )
     return m
 
@@ -782,10 +1138,11 @@ _SPEC_NixlStatus = _pc.MessageSpec(
     encode=_enc_NixlStatus,
     check=_check_NixlStatus,
     derived=(),
+    rest=None,
 )
 
 
-class MoriRegister(msgspec.Struct, kw_only=True):
+class MoriRegister(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill, once per connection key. Memory descriptors are opaque MoRI blobs."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -864,20 +1221,20 @@ def _enc_MoriRegister(m: MoriRegister) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
         b'None',
-        _fe.enc_ascii(m.local_ip, _W_MoriRegister['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MoriRegister['rank_port']),
-        _fe.enc_raw(m.engine_desc, _W_MoriRegister['engine_desc']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MoriRegister['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MoriRegister['rank_port']),
+        m.engine_desc if type(m.engine_desc) is bytes else _fe.enc_raw(m.engine_desc, _W_MoriRegister['engine_desc']),
         _fe.enc_blobs(m.kv_mem_descs, _W_MoriRegister['kv_mem_descs']),
         _fe.enc_blobs(m.aux_mem_descs, _W_MoriRegister['aux_mem_descs']),
         _fe.enc_blob_lists(m.state_mem_descs, _W_MoriRegister['state_mem_descs']),
-        _fe.enc_int(m.gpu_id, 0, 4294967295, _W_MoriRegister['gpu_id']),
-        _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MoriRegister['attn_tp_size']),
-        _fe.enc_int(m.engine_rank, 0, 4294967295, _W_MoriRegister['engine_rank']),
-        _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
+        b"%d" % m.gpu_id if type(m.gpu_id) is int and 0 <= m.gpu_id <= 4294967295 else _fe.enc_int(m.gpu_id, 0, 4294967295, _W_MoriRegister['gpu_id']),
+        b"%d" % m.attn_tp_size if type(m.attn_tp_size) is int and 0 <= m.attn_tp_size <= 4294967295 else _fe.enc_int(m.attn_tp_size, 0, 4294967295, _W_MoriRegister['attn_tp_size']),
+        b"%d" % m.engine_rank if type(m.engine_rank) is int and 0 <= m.engine_rank <= 4294967295 else _fe.enc_int(m.engine_rank, 0, 4294967295, _W_MoriRegister['engine_rank']),
+        b"%d" % m.kv_item_len if type(m.kv_item_len) is int and 0 <= m.kv_item_len <= 18446744073709551615 else _fe.enc_int(m.kv_item_len, 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
         _fe.enc_lists(m.state_item_lens, _fe.LE_U32, _W_MoriRegister['state_item_lens']),
         _fe.enc_lists(m.state_dim_per_tensor, _fe.LE_U32, _W_MoriRegister['state_dim_per_tensor']),
-        _fe.enc_int(m.dcp_size, 0, 4294967295, _W_MoriRegister['dcp_size']),
-        _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_MoriRegister['dcp_rank']),
+        b"%d" % m.dcp_size if type(m.dcp_size) is int and 0 <= m.dcp_size <= 4294967295 else _fe.enc_int(m.dcp_size, 0, 4294967295, _W_MoriRegister['dcp_size']),
+        b"%d" % m.dcp_rank if type(m.dcp_rank) is int and 0 <= m.dcp_rank <= 4294967295 else _fe.enc_int(m.dcp_rank, 0, 4294967295, _W_MoriRegister['dcp_rank']),
         _fe.enc_lists(m.state_layer_ids, _fe.LE_U32, _W_MoriRegister['state_layer_ids']),
         _fe.enc_array(m.kv_layer_ids, _fe.LE_U32, _W_MoriRegister['kv_layer_ids']),
     ]
@@ -890,27 +1247,94 @@ def _dec_MoriRegister(fr: list[_fe.Buf]) -> MoriRegister:
         err = _pc.count_error(PROFILE, _SPEC_MoriRegister, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriRegister['guard'])
-    _fe.expect_const(fr[1], b'None', _W_MoriRegister['room_marker'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriRegister['guard'])
+    if fr[1] != b'None':
+        _fe.expect_const(fr[1], b'None', _W_MoriRegister['room_marker'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_MoriRegister['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
+    f_engine_desc = bytes(fr[4])
+    f_kv_mem_descs = _fe.dec_blobs(fr[5], _W_MoriRegister['kv_mem_descs'])
+    f_aux_mem_descs = _fe.dec_blobs(fr[6], _W_MoriRegister['aux_mem_descs'])
+    f_state_mem_descs = _fe.dec_blob_lists(fr[7], _W_MoriRegister['state_mem_descs'])
+    try:
+        f_gpu_id = int(fr[8])
+    except (TypeError, ValueError):
+        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
+    else:
+        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[8]:
+            f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
+    try:
+        f_attn_tp_size = int(fr[9])
+    except (TypeError, ValueError):
+        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
+    else:
+        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[9]:
+            f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
+    try:
+        f_engine_rank = int(fr[10])
+    except (TypeError, ValueError):
+        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
+    else:
+        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[10]:
+            f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
+    try:
+        f_kv_item_len = int(fr[11])
+    except (TypeError, ValueError):
+        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
+    else:
+        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[11]:
+            f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
+    f_state_item_lens = _fe.dec_lists(fr[12], _fe.LE_U32, _W_MoriRegister['state_item_lens'])
+    f_state_dim_per_tensor = _fe.dec_lists(fr[13], _fe.LE_U32, _W_MoriRegister['state_dim_per_tensor'])
+    try:
+        f_dcp_size = int(fr[14])
+    except (TypeError, ValueError):
+        f_dcp_size = _fe.dec_int(fr[14], 0, 4294967295, _W_MoriRegister['dcp_size'])
+    else:
+        if not 0 <= f_dcp_size <= 4294967295 or b"%d" % f_dcp_size != fr[14]:
+            f_dcp_size = _fe.dec_int(fr[14], 0, 4294967295, _W_MoriRegister['dcp_size'])
+    try:
+        f_dcp_rank = int(fr[15])
+    except (TypeError, ValueError):
+        f_dcp_rank = _fe.dec_int(fr[15], 0, 4294967295, _W_MoriRegister['dcp_rank'])
+    else:
+        if not 0 <= f_dcp_rank <= 4294967295 or b"%d" % f_dcp_rank != fr[15]:
+            f_dcp_rank = _fe.dec_int(fr[15], 0, 4294967295, _W_MoriRegister['dcp_rank'])
+    f_state_layer_ids = _fe.dec_lists(fr[16], _fe.LE_U32, _W_MoriRegister['state_layer_ids'])
+    f_kv_layer_ids = _fe.dec_array(fr[17], _fe.LE_U32, _W_MoriRegister['kv_layer_ids'])
     m = MoriRegister(
-        local_ip=_fe.dec_ascii(fr[2], _W_MoriRegister['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port']),
-        engine_desc=_fe.dec_raw(fr[4], _W_MoriRegister['engine_desc']),
-        kv_mem_descs=_fe.dec_blobs(fr[5], _W_MoriRegister['kv_mem_descs']),
-        aux_mem_descs=_fe.dec_blobs(fr[6], _W_MoriRegister['aux_mem_descs']),
-        state_mem_descs=_fe.dec_blob_lists(fr[7], _W_MoriRegister['state_mem_descs']),
-        gpu_id=_fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id']),
-        attn_tp_size=_fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size']),
-        engine_rank=_fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank']),
-        kv_item_len=_fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len']),
-        state_item_lens=_fe.dec_lists(fr[12], _fe.LE_U32, _W_MoriRegister['state_item_lens']),
-        state_dim_per_tensor=_fe.dec_lists(fr[13], _fe.LE_U32, _W_MoriRegister['state_dim_per_tensor']),
-        dcp_size=_fe.dec_int(fr[14], 0, 4294967295, _W_MoriRegister['dcp_size']),
-        dcp_rank=_fe.dec_int(fr[15], 0, 4294967295, _W_MoriRegister['dcp_rank']),
-        state_layer_ids=_fe.dec_lists(fr[16], _fe.LE_U32, _W_MoriRegister['state_layer_ids']),
-        kv_layer_ids=_fe.dec_array(fr[17], _fe.LE_U32, _W_MoriRegister['kv_layer_ids']),
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        engine_desc=f_engine_desc,
+        kv_mem_descs=f_kv_mem_descs,
+        aux_mem_descs=f_aux_mem_descs,
+        state_mem_descs=f_state_mem_descs,
+        gpu_id=f_gpu_id,
+        attn_tp_size=f_attn_tp_size,
+        engine_rank=f_engine_rank,
+        kv_item_len=f_kv_item_len,
+        state_item_lens=f_state_item_lens,
+        state_dim_per_tensor=f_state_dim_per_tensor,
+        dcp_size=f_dcp_size,
+        dcp_rank=f_dcp_rank,
+        state_layer_ids=f_state_layer_ids,
+        kv_layer_ids=f_kv_layer_ids,
     )
     return m
+
+
+def _rec_MoriRegister(fr: list[bytes]) -> bool:
+    return fr[1] == b'None'
 
 
 _SPEC_MoriRegister = _pc.MessageSpec(
@@ -925,10 +1349,11 @@ _SPEC_MoriRegister = _pc.MessageSpec(
     encode=_enc_MoriRegister,
     check=_check_MoriRegister,
     derived=(),
+    rest=_rec_MoriRegister,
 )
 
 
-class MoriTransferInfo(msgspec.Struct, kw_only=True):
+class MoriTransferInfo(msgspec.Struct, kw_only=True, gc=False):
     """Decode -> prefill. Dummy iff kv is empty, aux is None and decode_prefix_len is 0."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -988,15 +1413,15 @@ def _check_MoriTransferInfo(m: MoriTransferInfo) -> _pc.Problems:
 def _enc_MoriTransferInfo(m: MoriTransferInfo) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriTransferInfo['room']),
-        _fe.enc_ascii(m.local_ip, _W_MoriTransferInfo['local_ip']),
-        _fe.enc_int(m.rank_port, 0, 65535, _W_MoriTransferInfo['rank_port']),
-        _fe.enc_ascii(m.engine_key, _W_MoriTransferInfo['engine_key']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriTransferInfo['room']),
+        m.local_ip.encode('ascii') if type(m.local_ip) is str and m.local_ip.isascii() else _fe.enc_ascii(m.local_ip, _W_MoriTransferInfo['local_ip']),
+        b"%d" % m.rank_port if type(m.rank_port) is int and 0 <= m.rank_port <= 65535 else _fe.enc_int(m.rank_port, 0, 65535, _W_MoriTransferInfo['rank_port']),
+        m.engine_key.encode('ascii') if type(m.engine_key) is str and m.engine_key.isascii() else _fe.enc_ascii(m.engine_key, _W_MoriTransferInfo['engine_key']),
         _fe.enc_array(m.kv_indices, _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices']),
-        _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
+        b"" if m.aux_index is None else b"%d" % m.aux_index if type(m.aux_index) is int and -9223372036854775808 <= m.aux_index <= 9223372036854775807 else _fe.enc_int_opt(m.aux_index, -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
         _fe.enc_lists(m.state_indices, _fe.LE_I32, _W_MoriTransferInfo['state_indices']),
-        _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']),
-        _fe.enc_int_blank(m.decode_prefix_len, 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']),
+        b"%d" % m.required_dst_info_num if type(m.required_dst_info_num) is int and 0 <= m.required_dst_info_num <= 4294967295 else _fe.enc_int(m.required_dst_info_num, 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']),
+        (b"" if m.decode_prefix_len == 0 else b"%d" % m.decode_prefix_len) if type(m.decode_prefix_len) is int and 0 <= m.decode_prefix_len <= 18446744073709551615 else _fe.enc_int_blank(m.decode_prefix_len, 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']),
     ]
     return out
 
@@ -1007,19 +1432,83 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MoriTransferInfo, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriTransferInfo['guard'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriTransferInfo['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
+    try:
+        f_local_ip = str(fr[2], 'ascii')
+    except UnicodeDecodeError:
+        f_local_ip = _fe.dec_ascii(fr[2], _W_MoriTransferInfo['local_ip'])
+    try:
+        f_rank_port = int(fr[3])
+    except (TypeError, ValueError):
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
+    else:
+        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
+    try:
+        f_engine_key = str(fr[4], 'ascii')
+    except UnicodeDecodeError:
+        f_engine_key = _fe.dec_ascii(fr[4], _W_MoriTransferInfo['engine_key'])
+    f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices'])
+    if not fr[6]:
+        f_aux_index = None
+    else:
+        try:
+            f_aux_index = int(fr[6])
+        except (TypeError, ValueError):
+            f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
+        else:
+            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+                f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
+    f_state_indices = _fe.dec_lists(fr[7], _fe.LE_I32, _W_MoriTransferInfo['state_indices'])
+    if n > 8:
+        try:
+            f_required_dst_info_num = int(fr[8])
+        except (TypeError, ValueError):
+            f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
+        else:
+            if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[8]:
+                f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
+    else:
+        f_required_dst_info_num = 1
+    if n > 9:
+        if not fr[9]:
+            f_decode_prefix_len = 0
+        else:
+            try:
+                f_decode_prefix_len = int(fr[9])
+            except (TypeError, ValueError):
+                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+            else:
+                if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+                    f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+            if f_decode_prefix_len == 0:
+                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+    else:
+        f_decode_prefix_len = 0
     m = MoriTransferInfo(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room']),
-        local_ip=_fe.dec_ascii(fr[2], _W_MoriTransferInfo['local_ip']),
-        rank_port=_fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port']),
-        engine_key=_fe.dec_ascii(fr[4], _W_MoriTransferInfo['engine_key']),
-        kv_indices=_fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo['kv_indices']),
-        aux_index=_fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index']),
-        state_indices=_fe.dec_lists(fr[7], _fe.LE_I32, _W_MoriTransferInfo['state_indices']),
-        required_dst_info_num=(_fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num']) if n > 8 else 1),
-        decode_prefix_len=(_fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len']) if n > 9 else 0),
+        room=f_room,
+        local_ip=f_local_ip,
+        rank_port=f_rank_port,
+        engine_key=f_engine_key,
+        kv_indices=f_kv_indices,
+        aux_index=f_aux_index,
+        state_indices=f_state_indices,
+        required_dst_info_num=f_required_dst_info_num,
+        decode_prefix_len=f_decode_prefix_len,
     )
     return m
+
+
+def _rec_MoriTransferInfo(fr: list[bytes]) -> bool:
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and not (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MoriTransferInfo = _pc.MessageSpec(
@@ -1034,10 +1523,11 @@ _SPEC_MoriTransferInfo = _pc.MessageSpec(
     encode=_enc_MoriTransferInfo,
     check=_check_MoriTransferInfo,
     derived=("is_dummy", ),
+    rest=_rec_MoriTransferInfo,
 )
 
 
-class MoriStatus(msgspec.Struct, kw_only=True):
+class MoriStatus(msgspec.Struct, kw_only=True, gc=False):
     """Prefill -> decode. The status tag is the bootstrap guard string."""
 
     BACKEND: ClassVar[str] = "mori"
@@ -1075,10 +1565,10 @@ def _check_MoriStatus(m: MoriStatus) -> _pc.Problems:
 def _enc_MoriStatus(m: MoriStatus) -> list[bytes]:
     out = [
         b'MoriMsgGuard',
-        _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriStatus['room']),
-        _fe.enc_enum(m.status, KVPoll, _W_MoriStatus['status']),
-        _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MoriStatus['prefill_rank']),
-        _fe.enc_utf8_opt(m.reason, _W_MoriStatus['reason']),
+        b"%d" % m.room if type(m.room) is int and 0 <= m.room <= 18446744073709551615 else _fe.enc_int(m.room, 0, 18446744073709551615, _W_MoriStatus['room']),
+        _E_KVPoll[m.status] if type(m.status) is KVPoll else _fe.enc_enum(m.status, KVPoll, _W_MoriStatus['status']),
+        b"%d" % m.prefill_rank if type(m.prefill_rank) is int and 0 <= m.prefill_rank <= 4294967295 else _fe.enc_int(m.prefill_rank, 0, 4294967295, _W_MoriStatus['prefill_rank']),
+        b"" if m.reason is None else m.reason.encode('utf-8') if type(m.reason) is str and m.reason.isascii() and m.reason else _fe.enc_utf8_opt(m.reason, _W_MoriStatus['reason']),
     ]
     return out
 
@@ -1089,14 +1579,40 @@ def _dec_MoriStatus(fr: list[_fe.Buf]) -> MoriStatus:
         err = _pc.count_error(PROFILE, _SPEC_MoriStatus, n)
         assert err is not None
         raise err
-    _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriStatus['guard'])
+    if fr[0] != b'MoriMsgGuard':
+        _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriStatus['guard'])
+    try:
+        f_room = int(fr[1])
+    except (TypeError, ValueError):
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
+    else:
+        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
+    f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
+    if f_status is None:
+        f_status = _fe.dec_enum(fr[2], KVPoll, _W_MoriStatus['status'])
+    try:
+        f_prefill_rank = int(fr[3])
+    except (TypeError, ValueError):
+        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
+    else:
+        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[3]:
+            f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
+    try:
+        f_reason = str(fr[4], 'utf-8') if fr[4] else None
+    except UnicodeDecodeError:
+        f_reason = _fe.dec_utf8_opt(fr[4], _W_MoriStatus['reason'])
     m = MoriStatus(
-        room=_fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room']),
-        status=_fe.dec_enum(fr[2], KVPoll, _W_MoriStatus['status']),
-        prefill_rank=_fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank']),
-        reason=_fe.dec_utf8_opt(fr[4], _W_MoriStatus['reason']),
+        room=f_room,
+        status=f_status,
+        prefill_rank=f_prefill_rank,
+        reason=f_reason,
     )
     return m
+
+
+def _rec_MoriStatus(fr: list[bytes]) -> bool:
+    return (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
 
 
 _SPEC_MoriStatus = _pc.MessageSpec(
@@ -1111,6 +1627,7 @@ _SPEC_MoriStatus = _pc.MessageSpec(
     encode=_enc_MoriStatus,
     check=_check_MoriStatus,
     derived=(),
+    rest=_rec_MoriStatus,
 )
 
 MESSAGES: tuple[_pc.MessageSpec, ...] = (

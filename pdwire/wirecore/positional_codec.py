@@ -36,6 +36,14 @@ class MessageSpec:
     encode: Callable[[Any], list[bytes]]
     check: Callable[[Any], Problems]
     derived: tuple[str, ...] = ()
+    # recognition beyond a frame-0 literal (other fixed frames, predicates) over bytes frames
+    # known to be present; None: nothing more to test. Generated straight-line code.
+    rest: Callable[[list[bytes]], bool] | None = None
+
+    @property
+    def reach(self) -> int:
+        """Frames recognition reads: with fewer, :meth:`matches` is False."""
+        return 1 + max((i for i, _ in (*self.consts, *self.match)), default=-1)
 
     def fits(self, frames: Sequence[Buf]) -> bool:
         """Fixed frames and frame count fit (predicates not checked)."""
@@ -48,6 +56,49 @@ class MessageSpec:
             if i >= len(frames) or frames[i] != lit:
                 return False
         return all(i < len(frames) and _PREDICATES[p](frames[i]) for i, p in self.match)
+
+
+class _Dispatch:
+    """Recognition of one version's messages from bytes frames, precomputed.
+
+    Candidates are keyed by frame 0 (the fixed literal of guarded messages; any other frame 0
+    selects the messages without one) and by the frame count up to the deepest frame any
+    message's recognition reads, so the candidates list holds exactly the messages whose
+    frame-0 literal fits and whose recognised frames are present. :meth:`find` returns the one
+    candidate whose remaining tests pass, or None (none, or several: the caller's full path
+    reports it), which makes it agree with :meth:`ProfileCodec._recognise` whenever it answers.
+    """
+
+    __slots__ = ("by_head", "head_len", "other", "reach")
+
+    def __init__(self, specs: Sequence[MessageSpec]) -> None:
+        self.reach = max((s.reach for s in specs), default=0)
+        heads: dict[bytes | None, list[MessageSpec]] = {}
+        for s in specs:
+            heads.setdefault(dict(s.consts).get(0), []).append(s)
+        loose = heads.pop(None, [])
+
+        def by_count(group: list[MessageSpec]) -> tuple[tuple[MessageSpec, ...], ...]:
+            ordered = [s for s in specs if s in group]  # schema order
+            return tuple(tuple(s for s in ordered if s.reach <= n) for n in range(self.reach + 1))
+
+        self.by_head = {head: by_count(group + loose) for head, group in heads.items() if head is not None}
+        self.other = by_count(loose)
+        self.head_len = max((len(h) for h in self.by_head), default=0)
+
+    def find(self, frames: list[bytes], backend: str | None) -> MessageSpec | None:
+        n = len(frames)
+        if not n:
+            return None
+        head = frames[0]
+        table = self.by_head.get(head, self.other) if len(head) <= self.head_len else self.other
+        hit = None
+        for s in table[n if n < self.reach else self.reach]:
+            if (backend is None or s.backend == backend) and (s.rest is None or s.rest(frames)):
+                if hit is not None:
+                    return None  # ambiguous: the full path names the messages
+                hit = s
+        return hit
 
 
 def _is_dec(b: Buf) -> bool:
@@ -90,6 +141,7 @@ class ProfileCodec:
             for s in specs:
                 head = dict(s.consts).get(0)
                 self._by_head.setdefault((v, head), []).append(s)
+        self._dispatch = {v: _Dispatch(specs) for v, specs in self.versions.items()}
 
     def specs(self, version: Version | None = None) -> Sequence[MessageSpec]:
         v = self.newest if version is None else version
@@ -165,6 +217,16 @@ class ProfileCodec:
         version: Version | None = None,
         message: str | None = None,
     ) -> Any:
+        if message is None and type(frames) is list:
+            for f in frames:
+                if type(f) is not bytes:
+                    break
+            else:  # the common case (zmq copy=True): one dict lookup, then the unique candidate
+                d = self._dispatch.get(self.newest if version is None else version)
+                if d is not None:
+                    spec = d.find(frames, backend)
+                    if spec is not None:
+                        return spec.decode(frames)
         bufs = as_buffers(frames, self.profile, backend)
         return self._recognise(bufs, backend, version, message).decode(bufs)
 
