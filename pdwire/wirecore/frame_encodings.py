@@ -249,6 +249,8 @@ def _check_int(v: object, lo: int, hi: int, w: Where) -> int:
 
 
 def dec_array(buf: Buf, dtype: np.dtype[Any], w: Where) -> npt.NDArray[Any]:
+    if type(buf) is bytes and not len(buf) % dtype.itemsize:
+        return np.frombuffer(buf, dtype)  # read-only already: a view of immutable bytes
     size = dtype.itemsize
     if len(buf) % size:
         raise w.decode_error(f"length {len(buf)} is not a multiple of {size} ({dtype.name} items)")
@@ -260,7 +262,31 @@ def dec_array(buf: Buf, dtype: np.dtype[Any], w: Where) -> npt.NDArray[Any]:
 
 
 def enc_array(v: object, dtype: np.dtype[Any], w: Where) -> bytes:
+    if type(v) is np.ndarray and v.dtype == dtype and v.ndim == 1:
+        return v.tobytes()
+    if type(v) is list:
+        fast = _int_list_bytes(v, dtype)
+        if fast is not None:
+            return fast
     return _as_array(v, dtype, w).tobytes()
+
+
+_INT_ONLY = frozenset({int})
+
+
+def _int_list_bytes(v: list[Any], dtype: np.dtype[Any]) -> bytes | None:
+    """A list of plain ints that all fit ``dtype``, packed; None for anything else.
+
+    The common case of :func:`_as_array` without its per-case checks: numpy refuses
+    out-of-range Python ints with OverflowError, and only exact ``int`` items are taken (bools,
+    floats and other number types go to the checked path, which refuses or converts them).
+    """
+    if not set(map(type, v)) <= _INT_ONLY:
+        return None
+    try:
+        return np.array(v, dtype=dtype).tobytes()
+    except OverflowError:
+        return None
 
 
 def _as_array(v: object, dtype: np.dtype[Any], w: Where) -> npt.NDArray[Any]:
@@ -304,6 +330,10 @@ def dec_lists(buf: Buf, dtype: np.dtype[Any], w: Where) -> list[npt.NDArray[Any]
     total = len(buf)
     if total == 0:
         return []
+    if type(buf) is bytes and total >= 4:
+        fast = _dec_lists_bytes(buf, total, dtype)
+        if fast is not None:
+            return fast
     if total < 4:
         raise w.decode_error(f"pack_int_lists frame of {total} bytes has no complete count")
     mv = memoryview(buf).cast("B")
@@ -335,13 +365,50 @@ def dec_lists(buf: Buf, dtype: np.dtype[Any], w: Where) -> list[npt.NDArray[Any]
     return out
 
 
+def _dec_lists_bytes(buf: bytes, total: int, dtype: np.dtype[Any]) -> list[npt.NDArray[Any]] | None:
+    """:func:`dec_lists` of a well-formed bytes frame (views of immutable bytes are read-only);
+    None when anything is off, for the checked path to name."""
+    n = int.from_bytes(buf[:4], "little")
+    header = 4 + 4 * n
+    if n == 0 or header > total:
+        return None
+    lens = struct.unpack_from(f"<{n}I", buf, 4)
+    size = dtype.itemsize
+    if header + sum(lens) != total:
+        return None
+    out: list[npt.NDArray[Any]] = []
+    off = header
+    frombuffer = np.frombuffer
+    for ln in lens:
+        if ln % size:
+            return None
+        out.append(frombuffer(buf, dtype, ln // size, off) if ln else _empty(dtype))
+        off += ln
+    return out
+
+
+def _empty(dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    a = np.empty(0, dtype)
+    a.flags.writeable = False
+    return a
+
+
 def enc_lists(v: object, dtype: np.dtype[Any], w: Where) -> bytes:
     if not isinstance(v, list | tuple):
         raise w.encode_error(f"expected a list of integer lists, got {type(v).__name__}")
     if not v:
         return b""
     bodies = []
+    le = dtype.newbyteorder("<")
     for item in v:
+        if type(item) is np.ndarray and item.dtype == le and item.ndim == 1:
+            bodies.append(item.tobytes())
+            continue
+        if type(item) is list:
+            fast = _int_list_bytes(item, le)
+            if fast is not None:
+                bodies.append(fast)
+                continue
         if item is None:
             # SGLang's Mooncake builder crashes here; NIXL/MoRI send [] (convert None first)
             raise w.encode_error("a None list cannot be packed (pack_int_lists needs a list)")
