@@ -305,16 +305,17 @@ def _codec(p: Protocol, f: Field, w: str) -> tuple[str, str]:
 # accepts exactly the same values and raises the precise error. Each fast path accepts a subset
 # of what its checked call accepts and returns the same value for it.
 def _fast_int_dec(x: str, out: str, lo: int, hi: int, slow: str, empty: str | None) -> list[str]:
-    """``int()`` then a canonical-text and range test; anything else goes to ``slow``."""
+    """A non-negative canonical decimal (digits only, no leading zero) read with ``int()``;
+    anything else (a sign, other spellings, a memoryview frame) goes to ``slow``."""
+    width = len(str(hi))
     body = [
-        "try:",
+        f"if type({x}) is bytes and {x}.isdigit() and len({x}) <= {width}"
+        f" and (len({x}) == 1 or {x}[0] != 48):",
         f"    {out} = int({x})",
-        "except (TypeError, ValueError):",
-        f"    {out} = {slow}",
-        "else:",
-        f'    if not {lo} <= {out} <= {hi} or b"%d" % {out} != {x}:',
-        f"        {out} = {slow}",
     ]
+    if hi < 10**width - 1:  # the widest texts can exceed hi
+        body += [f"    if {out} > {hi}:", f"        {out} = {slow}"]
+    body += ["else:", f"    {out} = {slow}"]
     if empty is None:
         return body
     return [f"if not {x}:", f"    {out} = {empty}", "else:", *("    " + line for line in body)]

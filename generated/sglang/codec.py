@@ -44,9 +44,13 @@ def decode(
     return out
 
 
+_ENCODERS = CODEC.encoders
+
+
 def encode(msg: Message) -> list[bytes]:
     """The frames SGLang's builder of that backend and version sends for ``msg``."""
-    return CODEC.encode(msg)
+    enc = _ENCODERS.get(type(msg))
+    return CODEC.encode(msg) if enc is None else enc(msg)
 
 
 def recognise(

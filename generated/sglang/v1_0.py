@@ -152,13 +152,12 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         f_local_ip = str(fr[1], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeRegister['local_ip'])
-    try:
+    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
         f_rank_port = int(fr[2])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister['rank_port'])
     try:
         f_session_id = str(fr[3], 'ascii')
     except UnicodeDecodeError:
@@ -166,27 +165,24 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister['kv_data_ptrs'])
     f_aux_data_ptrs = _fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister['aux_data_ptrs'])
     f_flat_state_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_MooncakeRegister['flat_state_data_ptrs'])
-    try:
+    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
         f_dst_tp_rank = int(fr[7])
-    except (TypeError, ValueError):
-        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
-    else:
-        if not 0 <= f_dst_tp_rank <= 4294967295 or b"%d" % f_dst_tp_rank != fr[7]:
+        if f_dst_tp_rank > 4294967295:
             f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
-    try:
+    else:
+        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister['dst_tp_rank'])
+    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
         f_attn_tp_size = int(fr[8])
-    except (TypeError, ValueError):
-        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
-    else:
-        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[8]:
+        if f_attn_tp_size > 4294967295:
             f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
-    try:
-        f_kv_item_len = int(fr[9])
-    except (TypeError, ValueError):
-        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
     else:
-        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[9]:
+        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister['attn_tp_size'])
+    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
+        f_kv_item_len = int(fr[9])
+        if f_kv_item_len > 18446744073709551615:
             f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
+    else:
+        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister['kv_item_len'])
     f_flat_state_item_lens = (_fe.dec_array(fr[10], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_item_lens'])) if n > 10 else _EMPTY_U32
     f_flat_state_dim_per_tensor = (_fe.dec_array(fr[11], _fe.NATIVE_U32, _W_MooncakeRegister['flat_state_dim_per_tensor'])) if n > 11 else _EMPTY_U32
     if n > 12:
@@ -201,13 +197,12 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         if not fr[14]:
             f_flat_staging_total_size = None
         else:
-            try:
+            if type(fr[14]) is bytes and fr[14].isdigit() and len(fr[14]) <= 20 and (len(fr[14]) == 1 or fr[14][0] != 48):
                 f_flat_staging_total_size = int(fr[14])
-            except (TypeError, ValueError):
-                f_flat_staging_total_size = _fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size'])
-            else:
-                if not 0 <= f_flat_staging_total_size <= 18446744073709551615 or b"%d" % f_flat_staging_total_size != fr[14]:
+                if f_flat_staging_total_size > 18446744073709551615:
                     f_flat_staging_total_size = _fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size'])
+            else:
+                f_flat_staging_total_size = _fe.dec_int_opt(fr[14], 0, 18446744073709551615, _W_MooncakeRegister['flat_staging_total_size'])
     else:
         f_flat_staging_total_size = None
     m = MooncakeRegister(
@@ -329,24 +324,22 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeTransferInfo, n)
         assert err is not None
         raise err
-    try:
+    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
         f_room = int(fr[0])
-    except (TypeError, ValueError):
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
-    else:
-        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+        if f_room > 18446744073709551615:
             f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
+    else:
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo['room'])
     try:
         f_local_ip = str(fr[1], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeTransferInfo['local_ip'])
-    try:
+    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
         f_rank_port = int(fr[2])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[2]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo['rank_port'])
     try:
         f_session_id = str(fr[3], 'ascii')
     except UnicodeDecodeError:
@@ -355,29 +348,26 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
     if not fr[5]:
         f_aux_index = None
     else:
-        try:
+        if type(fr[5]) is bytes and fr[5].isdigit() and len(fr[5]) <= 19 and (len(fr[5]) == 1 or fr[5][0] != 48):
             f_aux_index = int(fr[5])
-        except (TypeError, ValueError):
-            f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
-        else:
-            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[5]:
+            if f_aux_index > 9223372036854775807:
                 f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
-    f_flat_state_indices = _fe.dec_array(fr[6], _fe.NATIVE_I32, _W_MooncakeTransferInfo['flat_state_indices'])
-    try:
-        f_required_dst_info_num = int(fr[7])
-    except (TypeError, ValueError):
-        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
-    else:
-        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
-            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
-    if n > 8:
-        try:
-            f_decode_prefix_len = int(fr[8])
-        except (TypeError, ValueError):
-            f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
         else:
-            if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[8]:
+            f_aux_index = _fe.dec_int_opt(fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo['aux_index'])
+    f_flat_state_indices = _fe.dec_array(fr[6], _fe.NATIVE_I32, _W_MooncakeTransferInfo['flat_state_indices'])
+    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
+        f_required_dst_info_num = int(fr[7])
+        if f_required_dst_info_num > 4294967295:
+            f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    else:
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeTransferInfo['required_dst_info_num'])
+    if n > 8:
+        if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 20 and (len(fr[8]) == 1 or fr[8][0] != 48):
+            f_decode_prefix_len = int(fr[8])
+            if f_decode_prefix_len > 18446744073709551615:
                 f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
+        else:
+            f_decode_prefix_len = _fe.dec_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo['decode_prefix_len'])
     else:
         f_decode_prefix_len = 0
     m = MooncakeTransferInfo(
@@ -471,23 +461,21 @@ def _dec_MooncakeStatus(fr: list[_fe.Buf]) -> MooncakeStatus:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeStatus, n)
         assert err is not None
         raise err
-    try:
+    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
         f_room = int(fr[0])
-    except (TypeError, ValueError):
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
-    else:
-        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[0]:
+        if f_room > 18446744073709551615:
             f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
+    else:
+        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus['room'])
     f_status = _T_KVPoll.get(fr[1]) if type(fr[1]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus['status'])
-    try:
+    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 10 and (len(fr[2]) == 1 or fr[2][0] != 48):
         f_prefill_rank = int(fr[2])
-    except (TypeError, ValueError):
-        f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
-    else:
-        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[2]:
+        if f_prefill_rank > 4294967295:
             f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
+    else:
+        f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus['prefill_rank'])
     if n > 3:
         try:
             f_reason = str(fr[3], 'utf-8') if fr[3] else None
@@ -646,13 +634,12 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         f_local_ip = str(fr[2], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlRegister['local_ip'])
-    try:
+    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
         f_rank_port = int(fr[3])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister['rank_port'])
     try:
         f_agent_name = str(fr[4], 'ascii')
     except UnicodeDecodeError:
@@ -661,34 +648,30 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister['kv_data_ptrs'])
     f_aux_data_ptrs = _fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister['aux_data_ptrs'])
     f_flat_state_data_ptrs = _fe.dec_array(fr[8], _fe.NATIVE_U64, _W_NixlRegister['flat_state_data_ptrs'])
-    try:
+    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
         f_gpu_id = int(fr[9])
-    except (TypeError, ValueError):
-        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
-    else:
-        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[9]:
+        if f_gpu_id > 4294967295:
             f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
-    try:
+    else:
+        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister['gpu_id'])
+    if type(fr[10]) is bytes and fr[10].isdigit() and len(fr[10]) <= 10 and (len(fr[10]) == 1 or fr[10][0] != 48):
         f_attn_tp_size = int(fr[10])
-    except (TypeError, ValueError):
-        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
-    else:
-        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[10]:
+        if f_attn_tp_size > 4294967295:
             f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
-    try:
+    else:
+        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister['attn_tp_size'])
+    if type(fr[11]) is bytes and fr[11].isdigit() and len(fr[11]) <= 10 and (len(fr[11]) == 1 or fr[11][0] != 48):
         f_engine_rank = int(fr[11])
-    except (TypeError, ValueError):
-        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
-    else:
-        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[11]:
+        if f_engine_rank > 4294967295:
             f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
-    try:
-        f_kv_item_len = int(fr[12])
-    except (TypeError, ValueError):
-        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
     else:
-        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[12]:
+        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister['engine_rank'])
+    if type(fr[12]) is bytes and fr[12].isdigit() and len(fr[12]) <= 20 and (len(fr[12]) == 1 or fr[12][0] != 48):
+        f_kv_item_len = int(fr[12])
+        if f_kv_item_len > 18446744073709551615:
             f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
+    else:
+        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister['kv_item_len'])
     f_flat_state_item_lens = (_fe.dec_array(fr[13], _fe.NATIVE_U32, _W_NixlRegister['flat_state_item_lens'])) if n > 13 else _EMPTY_U32
     f_flat_state_dim_per_tensor = (_fe.dec_array(fr[14], _fe.NATIVE_U32, _W_NixlRegister['flat_state_dim_per_tensor'])) if n > 14 else _EMPTY_U32
     f_staging_base_ptr = (_fe.dec_u64_opt(fr[15], _W_NixlRegister['staging_base_ptr'])) if n > 15 else None
@@ -696,23 +679,21 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         if not fr[16]:
             f_staging_total_size = None
         else:
-            try:
+            if type(fr[16]) is bytes and fr[16].isdigit() and len(fr[16]) <= 20 and (len(fr[16]) == 1 or fr[16][0] != 48):
                 f_staging_total_size = int(fr[16])
-            except (TypeError, ValueError):
-                f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
-            else:
-                if not 0 <= f_staging_total_size <= 18446744073709551615 or b"%d" % f_staging_total_size != fr[16]:
+                if f_staging_total_size > 18446744073709551615:
                     f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
+            else:
+                f_staging_total_size = _fe.dec_int_opt(fr[16], 0, 18446744073709551615, _W_NixlRegister['staging_total_size'])
     else:
         f_staging_total_size = None
     if n > 17:
-        try:
+        if type(fr[17]) is bytes and fr[17].isdigit() and len(fr[17]) <= 20 and (len(fr[17]) == 1 or fr[17][0] != 48):
             f_num_slots = int(fr[17])
-        except (TypeError, ValueError):
-            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
-        else:
-            if not 0 <= f_num_slots <= 18446744073709551615 or b"%d" % f_num_slots != fr[17]:
+            if f_num_slots > 18446744073709551615:
                 f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
+        else:
+            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister['num_slots'])
     else:
         f_num_slots = 0
     m = NixlRegister(
@@ -840,52 +821,47 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
         raise err
     if fr[0] != b'NixlMsgGuard':
         _fe.expect_const(fr[0], b'NixlMsgGuard', _W_NixlTransferInfo['guard'])
-    try:
+    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
         f_room = int(fr[1])
-    except (TypeError, ValueError):
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
-    else:
-        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+        if f_room > 18446744073709551615:
             f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
+    else:
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo['room'])
     try:
         f_local_ip = str(fr[2], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlTransferInfo['local_ip'])
-    try:
+    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
         f_rank_port = int(fr[3])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo['rank_port'])
     try:
         f_agent_name = str(fr[4], 'ascii')
     except UnicodeDecodeError:
         f_agent_name = _fe.dec_ascii(fr[4], _W_NixlTransferInfo['agent_name'])
     f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo['kv_indices'])
-    try:
+    if type(fr[6]) is bytes and fr[6].isdigit() and len(fr[6]) <= 19 and (len(fr[6]) == 1 or fr[6][0] != 48):
         f_aux_index = int(fr[6])
-    except (TypeError, ValueError):
-        f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
-    else:
-        if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+        if f_aux_index > 9223372036854775807:
             f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
-    try:
-        f_required_dst_info_num = int(fr[7])
-    except (TypeError, ValueError):
-        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
     else:
-        if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[7]:
+        f_aux_index = _fe.dec_int(fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo['aux_index'])
+    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
+        f_required_dst_info_num = int(fr[7])
+        if f_required_dst_info_num > 4294967295:
             f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
+    else:
+        f_required_dst_info_num = _fe.dec_int(fr[7], 0, 4294967295, _W_NixlTransferInfo['required_dst_info_num'])
     f_flat_state_indices = _fe.dec_array(fr[8], _fe.NATIVE_I32, _W_NixlTransferInfo['flat_state_indices'])
     if n > 9:
-        try:
+        if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
             f_decode_prefix_len = int(fr[9])
-        except (TypeError, ValueError):
-            f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
-        else:
-            if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+            if f_decode_prefix_len > 18446744073709551615:
                 f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
+        else:
+            f_decode_prefix_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo['decode_prefix_len'])
     else:
         f_decode_prefix_len = 0
     m = NixlTransferInfo(
@@ -1017,45 +993,40 @@ def _dec_MoriRegister(fr: list[_fe.Buf]) -> MoriRegister:
         f_local_ip = str(fr[2], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriRegister['local_ip'])
-    try:
+    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
         f_rank_port = int(fr[3])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister['rank_port'])
     f_engine_desc = bytes(fr[4])
     f_kv_mem_descs = _fe.dec_blobs(fr[5], _W_MoriRegister['kv_mem_descs'])
     f_aux_mem_descs = _fe.dec_blobs(fr[6], _W_MoriRegister['aux_mem_descs'])
     f_flat_state_mem_descs = _fe.dec_blobs(fr[7], _W_MoriRegister['flat_state_mem_descs'])
-    try:
+    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
         f_gpu_id = int(fr[8])
-    except (TypeError, ValueError):
-        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
-    else:
-        if not 0 <= f_gpu_id <= 4294967295 or b"%d" % f_gpu_id != fr[8]:
+        if f_gpu_id > 4294967295:
             f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
-    try:
+    else:
+        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister['gpu_id'])
+    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
         f_attn_tp_size = int(fr[9])
-    except (TypeError, ValueError):
-        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
-    else:
-        if not 0 <= f_attn_tp_size <= 4294967295 or b"%d" % f_attn_tp_size != fr[9]:
+        if f_attn_tp_size > 4294967295:
             f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
-    try:
+    else:
+        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister['attn_tp_size'])
+    if type(fr[10]) is bytes and fr[10].isdigit() and len(fr[10]) <= 10 and (len(fr[10]) == 1 or fr[10][0] != 48):
         f_engine_rank = int(fr[10])
-    except (TypeError, ValueError):
-        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
-    else:
-        if not 0 <= f_engine_rank <= 4294967295 or b"%d" % f_engine_rank != fr[10]:
+        if f_engine_rank > 4294967295:
             f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
-    try:
-        f_kv_item_len = int(fr[11])
-    except (TypeError, ValueError):
-        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
     else:
-        if not 0 <= f_kv_item_len <= 18446744073709551615 or b"%d" % f_kv_item_len != fr[11]:
+        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister['engine_rank'])
+    if type(fr[11]) is bytes and fr[11].isdigit() and len(fr[11]) <= 20 and (len(fr[11]) == 1 or fr[11][0] != 48):
+        f_kv_item_len = int(fr[11])
+        if f_kv_item_len > 18446744073709551615:
             f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
+    else:
+        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister['kv_item_len'])
     f_flat_state_item_lens = _fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MoriRegister['flat_state_item_lens'])
     f_flat_state_dim_per_tensor = _fe.dec_array(fr[13], _fe.NATIVE_U32, _W_MoriRegister['flat_state_dim_per_tensor'])
     m = MoriRegister(
@@ -1176,24 +1147,22 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
         raise err
     if fr[0] != b'MoriMsgGuard':
         _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriTransferInfo['guard'])
-    try:
+    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
         f_room = int(fr[1])
-    except (TypeError, ValueError):
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
-    else:
-        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+        if f_room > 18446744073709551615:
             f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
+    else:
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo['room'])
     try:
         f_local_ip = str(fr[2], 'ascii')
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriTransferInfo['local_ip'])
-    try:
+    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
         f_rank_port = int(fr[3])
-    except (TypeError, ValueError):
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
-    else:
-        if not 0 <= f_rank_port <= 65535 or b"%d" % f_rank_port != fr[3]:
+        if f_rank_port > 65535:
             f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
+    else:
+        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo['rank_port'])
     try:
         f_engine_key = str(fr[4], 'ascii')
     except UnicodeDecodeError:
@@ -1202,35 +1171,32 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
     if not fr[6]:
         f_aux_index = None
     else:
-        try:
+        if type(fr[6]) is bytes and fr[6].isdigit() and len(fr[6]) <= 19 and (len(fr[6]) == 1 or fr[6][0] != 48):
             f_aux_index = int(fr[6])
-        except (TypeError, ValueError):
-            f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
-        else:
-            if not -9223372036854775808 <= f_aux_index <= 9223372036854775807 or b"%d" % f_aux_index != fr[6]:
+            if f_aux_index > 9223372036854775807:
                 f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
+        else:
+            f_aux_index = _fe.dec_int_opt(fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo['aux_index'])
     f_flat_state_indices = _fe.dec_array(fr[7], _fe.NATIVE_I32, _W_MoriTransferInfo['flat_state_indices'])
     if n > 8:
-        try:
+        if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
             f_required_dst_info_num = int(fr[8])
-        except (TypeError, ValueError):
-            f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
-        else:
-            if not 0 <= f_required_dst_info_num <= 4294967295 or b"%d" % f_required_dst_info_num != fr[8]:
+            if f_required_dst_info_num > 4294967295:
                 f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
+        else:
+            f_required_dst_info_num = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriTransferInfo['required_dst_info_num'])
     else:
         f_required_dst_info_num = 1
     if n > 9:
         if not fr[9]:
             f_decode_prefix_len = 0
         else:
-            try:
+            if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
                 f_decode_prefix_len = int(fr[9])
-            except (TypeError, ValueError):
-                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
-            else:
-                if not 0 <= f_decode_prefix_len <= 18446744073709551615 or b"%d" % f_decode_prefix_len != fr[9]:
+                if f_decode_prefix_len > 18446744073709551615:
                     f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
+            else:
+                f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
             if f_decode_prefix_len == 0:
                 f_decode_prefix_len = _fe.dec_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo['decode_prefix_len'])
     else:
@@ -1323,23 +1289,21 @@ def _dec_MoriStatus(fr: list[_fe.Buf]) -> MoriStatus:
         raise err
     if fr[0] != b'MoriMsgGuard':
         _fe.expect_const(fr[0], b'MoriMsgGuard', _W_MoriStatus['guard'])
-    try:
+    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
         f_room = int(fr[1])
-    except (TypeError, ValueError):
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
-    else:
-        if not 0 <= f_room <= 18446744073709551615 or b"%d" % f_room != fr[1]:
+        if f_room > 18446744073709551615:
             f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
+    else:
+        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus['room'])
     f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[2], KVPoll, _W_MoriStatus['status'])
-    try:
+    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 10 and (len(fr[3]) == 1 or fr[3][0] != 48):
         f_prefill_rank = int(fr[3])
-    except (TypeError, ValueError):
-        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
-    else:
-        if not 0 <= f_prefill_rank <= 4294967295 or b"%d" % f_prefill_rank != fr[3]:
+        if f_prefill_rank > 4294967295:
             f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
+    else:
+        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus['prefill_rank'])
     try:
         f_reason = str(fr[4], 'utf-8') if fr[4] else None
     except UnicodeDecodeError:

@@ -82,7 +82,12 @@ class _Dispatch:
             ordered = [s for s in specs if s in group]  # schema order
             return tuple(tuple(s for s in ordered if s.reach <= n) for n in range(self.reach + 1))
 
-        self.by_head = {head: by_count(group + loose) for head, group in heads.items() if head is not None}
+        # a loose message whose frame-0 predicate refuses a literal is no candidate for it
+        self.by_head = {
+            head: by_count(group + [s for s in loose if _head_fits(s, head)])
+            for head, group in heads.items()
+            if head is not None
+        }
         self.other = by_count(loose)
         self.head_len = max((len(h) for h in self.by_head), default=0)
 
@@ -99,6 +104,10 @@ class _Dispatch:
                     return None  # ambiguous: the full path names the messages
                 hit = s
         return hit
+
+
+def _head_fits(spec: MessageSpec, head: bytes) -> bool:
+    return all(_PREDICATES[p](head) for i, p in spec.match if i == 0)
 
 
 def _is_dec(b: Buf) -> bool:
@@ -142,6 +151,11 @@ class ProfileCodec:
                 head = dict(s.consts).get(0)
                 self._by_head.setdefault((v, head), []).append(s)
         self._dispatch = {v: _Dispatch(specs) for v, specs in self.versions.items()}
+        self._newest = self._dispatch[self.newest]
+        self.encoders: dict[type[Any], Callable[[Any], list[bytes]]] = {
+            cls: s.encode for cls, s in self._by_class.items()
+        }
+        """Message class -> its encoder (what :meth:`encode` dispatches on)."""
 
     def specs(self, version: Version | None = None) -> Sequence[MessageSpec]:
         v = self.newest if version is None else version
@@ -222,7 +236,7 @@ class ProfileCodec:
                 if type(f) is not bytes:
                     break
             else:  # the common case (zmq copy=True): one dict lookup, then the unique candidate
-                d = self._dispatch.get(self.newest if version is None else version)
+                d = self._newest if version is None else self._dispatch.get(version)
                 if d is not None:
                     spec = d.find(frames, backend)
                     if spec is not None:
