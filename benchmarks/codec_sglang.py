@@ -1,6 +1,6 @@
 """SGLang profile benchmark: generated ``pdwire.wire.sglang`` codecs against hand-written frame code.
 
-    .venv/bin/python benchmarks/codec_sglang.py [--repeat 7] [--quick]
+    .venv/bin/python benchmarks/codec_sglang.py [--repeat 7] [--quick] [--timer cpu]
 
 (``benchmarks/codec.py --sglang`` runs it after pdwire's own rows.) Messages, SGLang 0.5.23
 layouts: NIXL register (64 KV layers, 2 state components, opaque 1 KiB agent metadata),
@@ -9,7 +9,9 @@ transfer info (same indices), NIXL status. The baseline is SGLang-style hand-wri
 builders with ``struct.pack``/``tobytes``/``pack_int_lists`` and parsers with ``int()``,
 ``struct.unpack`` and ``np.frombuffer`` (lists unpacked to Python lists, as SGLang does),
 with none of the generated codec's validation. Both produce the same frames (asserted).
-Each cell is the median of ``--repeat`` runs, each the mean over many calls, same process.
+Each cell is the median of ``--repeat`` runs, each the mean over many calls, same process;
+``--timer cpu`` counts this process's CPU time only (a run descheduled on a shared machine does
+not count the time it waited).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import platform
 import statistics
 import struct
+import time
 import timeit
 from collections.abc import Callable
 from typing import Any
@@ -212,14 +215,17 @@ def contents() -> dict[str, Any]:
     return {"reg": reg, "kv": pages, "state": idx}
 
 
-def per_call_us(fn: Callable[[], object], repeat: int, quick: bool) -> float:
-    timer = timeit.Timer(fn)
-    n, _ = timer.autorange()
+TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def per_call_us(fn: Callable[[], object], repeat: int, quick: bool, timer: str = "wall") -> float:
+    t = timeit.Timer(fn, timer=TIMERS[timer])
+    n, _ = t.autorange()
     n = max(1, n // 5) if quick else n
-    return statistics.median(t / n * 1e6 for t in timer.repeat(repeat, n))
+    return statistics.median(x / n * 1e6 for x in t.repeat(repeat, n))
 
 
-def run(repeat: int, quick: bool) -> list[str]:
+def run(repeat: int, quick: bool, timer: str = "wall") -> list[str]:
     c = contents()
     reg = c["reg"]
     nixl_reg = sglang.NixlRegister(
@@ -291,8 +297,8 @@ def run(repeat: int, quick: bool) -> list[str]:
             ("pdwire", lambda m=msg: sglang.encode(m), sglang.decode),
             ("hand-written", base_enc, base_dec),
         ):
-            e = per_call_us(enc, repeat, quick)
-            d = per_call_us(lambda dec=dec, f=frames: dec(f), repeat, quick)
+            e = per_call_us(enc, repeat, quick, timer)
+            d = per_call_us(lambda dec=dec, f=frames: dec(f), repeat, quick, timer)
             timings[codec] = (e, d)
         base = sum(timings["hand-written"])
         for codec, (e, d) in timings.items():
@@ -307,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
+    ap.add_argument(
+        "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
+    )
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
-    rows = run(args.repeat, args.quick)
+    rows = run(args.repeat, args.quick, args.timer)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"msgspec {msgspec.__version__}, numpy {np.__version__}; median of {args.repeat} runs; "
+        f"msgspec {msgspec.__version__}, numpy {np.__version__}; median of {args.repeat} runs "
+        f"({args.timer} time); "
         f"load average at start {load:.1f}"
     )
     print()
