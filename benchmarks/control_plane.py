@@ -115,18 +115,8 @@ def codec_baseline(n: int = 20000) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -1.0
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
 def measure(backend: str, rounds: int) -> dict[str, Any]:
-    from pdwire.runtime.demo_cluster import Cluster
+    from pdwire.runtime.demo_cluster import Cluster, busy_seconds
     from pdwire.runtime.demo_model import Capacity, ModelSpec
 
     spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
@@ -156,7 +146,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                         results += c.wait_rooms([c.submit(dec, pre, r, 16, prefill_too=False)], 60)
                 else:
                     results = c.wait_rooms([c.submit(dec, pre, r, 16, prefill_too=False) for r in rooms], 120)
-                c._pump(lambda rs=rooms: all(r in c.spans.get(("bench-pre", 0), {}) for r in rs), 30, "spans")
+                c.data_spans(pre, rooms)
                 spans = c.spans[("bench-pre", 0)]
                 for res in results:
                     assert res.ok, (res.room, res.reason, res.problems[:2])
@@ -168,8 +158,9 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                 if conc > 1:
                     starts = [r.started[0] for r in results]
                     ends = [r.started[0] + r.latencies[0] for r in results]
-                    wall = max(ends) - min(starts)
-                    busy = _union([spans[r.room] for r in results])
+                    window = (min(starts), max(ends))
+                    wall = window[1] - window[0]
+                    busy = busy_seconds([spans[r.room] for r in results], window)
                     amortised.append((wall - busy) / len(results))
             key = f"c{conc}"
             out[key] = {

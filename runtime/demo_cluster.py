@@ -191,6 +191,28 @@ class Cluster:
         self._pump(done, timeout_s, f"rooms {[r.room for r in rooms[:4]]}...")
         return rooms
 
+    def data_spans(
+        self, prefill: Group, rooms: Sequence[int], timeout_s: float = 30.0
+    ) -> list[tuple[float, float]]:
+        """(first post, last completion) of every live prefill rank that moved data for ``rooms``.
+
+        Waits until each of those ranks has reported every room (its report can trail the
+        decode side's Success by a poll interval). Times are ``perf_counter`` seconds, one
+        system-wide monotonic clock, so they compare with this process's timestamps.
+        """
+        live = [r for r in range(prefill.tp) if prefill.procs[r].is_alive()]
+
+        def reported() -> bool:
+            return all(room in self.spans.get((prefill.engine_id, r), {}) for r in live for room in rooms)
+
+        self._pump(reported, timeout_s, f"prefill {prefill.engine_id} data spans")
+        return [
+            span
+            for r in live
+            for room in rooms
+            if (span := self.spans[(prefill.engine_id, r)][room])[1] > 0  # (0, 0): this rank posted nothing
+        ]
+
     # ------------------------------------------------------------------ message pump
 
     def _on(self, g: Group, msg: tuple[Any, ...]) -> None:
@@ -252,3 +274,21 @@ class Cluster:
                 else:
                     self._on(g, msg)
         return got
+
+
+def busy_seconds(spans: Sequence[tuple[float, float]], window: tuple[float, float] | None = None) -> float:
+    """Length of the union of ``[start, end)`` intervals: the time during which any data moved.
+
+    ``window`` clips every interval first: a prefill rank may see its transfer complete after
+    the decode side already reported the room done, and that tail is not inside the batch.
+    """
+    if window is not None:
+        lo, hi = window
+        spans = [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
