@@ -8,7 +8,6 @@ body references by frame index. Decoding never copies: arrays are ``np.frombuffe
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,13 +21,9 @@ from .errors import ArrayError, EncodeError, FrameCountError
 # into the body). The choice is deterministic, so re-encoding a decoded message is byte-identical.
 SIDE_FRAME_MIN_BYTES = 1024
 
-# The wire is little-endian. On a little-endian host the native dtypes are the same layout
-# and numpy builds views of them about a third faster than of the explicit "<" spellings,
-# which matters on the per-request path (several views per TransferRequest).
-_LE = "=" if sys.byteorder == "little" else "<"
-I32 = np.dtype(_LE + "i4")
-U32 = np.dtype(_LE + "u4")
-U64 = np.dtype(_LE + "u8")
+I32 = np.dtype("<i4")
+U32 = np.dtype("<u4")
+U64 = np.dtype("<u8")
 
 Buffer = bytes | bytearray | memoryview
 WireArray = bytes | memoryview | int
