@@ -19,48 +19,26 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import struct
-import time
-import timeit
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import numpy as np
+from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
+    TIMERS,
+    native_u64,
+    pack_int_lists,
+    per_call_us,
+    unpack_int_lists,
+    unpack_u64,
+)
 from pdwire.wire import sglang
 
 IP = b"10.0.0.2"
 
 
 # ---------------------------------------------------------------------------- hand-written baseline
-def pack_int_lists(lists: list[list[int]], fmt: str) -> bytes:
-    if not lists:
-        return b""
-    bufs = [struct.pack(f"<{len(a)}{fmt}", *a) for a in lists]
-    return struct.pack(f"<{len(bufs) + 1}I", len(bufs), *(len(b) for b in bufs)) + b"".join(bufs)
-
-
-def unpack_int_lists(buf: bytes, fmt: str) -> list[list[int]]:
-    if not buf:
-        return []
-    (n,) = struct.unpack_from("<I", buf, 0)
-    lens = struct.unpack_from(f"<{n}I", buf, 4)
-    pos, size, out = 4 + 4 * n, struct.calcsize(fmt), []
-    for ln in lens:
-        out.append(list(struct.unpack_from(f"<{ln // size}{fmt}", buf, pos)))
-        pos += ln
-    return out
-
-
-def nq(xs: list[int]) -> bytes:
-    return b"".join(struct.pack("Q", x) for x in xs)
-
-
-def unq(b: bytes) -> list[int]:
-    return list(struct.unpack(f"{len(b) // 8}Q", b))
-
-
 def base_nixl_register_encode(c: dict[str, Any]) -> list[bytes]:
     return [
         b"NixlMsgGuard",
@@ -69,8 +47,8 @@ def base_nixl_register_encode(c: dict[str, Any]) -> list[bytes]:
         b"7000",
         b"agent-1",
         c["meta"],
-        nq(c["kv"]),
-        nq(c["aux"]),
+        native_u64(c["kv"]),
+        native_u64(c["aux"]),
         pack_int_lists(c["state"], "Q"),
         b"0",
         b"4",
@@ -82,7 +60,7 @@ def base_nixl_register_encode(c: dict[str, Any]) -> list[bytes]:
         b"",
         b"4096",
         b"",
-        nq(c["item_lens"]),
+        native_u64(c["item_lens"]),
         pack_int_lists(c["state_layers"], "I"),
         b"".join(struct.pack("I", x) for x in c["kv_layers"]),
         b"1",
@@ -99,8 +77,8 @@ def base_nixl_register_decode(m: list[bytes]) -> dict[str, Any]:
         "port": int(m[2].decode("ascii")),
         "agent": m[3].decode("ascii"),
         "meta": m[4],
-        "kv": unq(m[5]),
-        "aux": unq(m[6]),
+        "kv": unpack_u64(m[5]),
+        "aux": unpack_u64(m[6]),
         "state": unpack_int_lists(m[7], "Q"),
         "gpu": int(m[8]),
         "tp": int(m[9]),
@@ -108,11 +86,11 @@ def base_nixl_register_decode(m: list[bytes]) -> dict[str, Any]:
         "item_len": int(m[11]),
         "state_item_lens": unpack_int_lists(m[12], "I"),
         "dims": unpack_int_lists(m[13], "I"),
-        "staging": unq(m[14]) if m[14] else None,
+        "staging": unpack_u64(m[14]) if m[14] else None,
         "staging_size": int(m[15]) if m[15] else 0,
         "slots": int(m[16]),
         "kinds": m[17].decode().split(",") if m[17] else [],
-        "item_lens": unq(m[18]),
+        "item_lens": unpack_u64(m[18]),
         "state_layers": unpack_int_lists(m[19], "I"),
         "kv_layers": list(struct.unpack(f"{len(m[20]) // 4}I", m[20])),
         "dcp": (int(m[21]), int(m[22])),
@@ -213,16 +191,6 @@ def contents() -> dict[str, Any]:
     pages = np.sort(rng.choice(1 << 20, 2048, replace=False)).astype(np.int32)
     idx = [[17], [int(x) for x in pages[-64:]], [int(x) for x in pages]]
     return {"reg": reg, "kv": pages, "state": idx}
-
-
-TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def per_call_us(fn: Callable[[], object], repeat: int, quick: bool, timer: str = "wall") -> float:
-    t = timeit.Timer(fn, timer=TIMERS[timer])
-    n, _ = t.autorange()
-    n = max(1, n // 5) if quick else n
-    return statistics.median(x / n * 1e6 for x in t.repeat(repeat, n))
 
 
 def run(repeat: int, quick: bool, timer: str = "wall") -> list[str]:

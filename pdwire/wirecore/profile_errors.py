@@ -16,8 +16,8 @@ def _prefix(err: WireError, profile: str, backend: str | None) -> None:
     err.args = (f"{label}: {err.args[0]}",)
 
 
-class ProfileDecodeError(DecodeError):
-    """Bytes that the profile's parser does not accept (or would crash on)."""
+class _ProfileError(WireError):
+    """Adds the profile and backend to a WireError; mixed in before DecodeError or EncodeError."""
 
     def __init__(
         self,
@@ -33,6 +33,10 @@ class ProfileDecodeError(DecodeError):
         self.profile = profile
         self.backend = backend
         _prefix(self, profile, backend)
+
+
+class ProfileDecodeError(_ProfileError, DecodeError):
+    """Bytes that the profile's parser does not accept (or would crash on)."""
 
 
 class ProfileFrameCountError(ProfileDecodeError, FrameCountError):
@@ -43,23 +47,8 @@ class UnrecognisedMessage(ProfileDecodeError):
     """No message of the profile matches the frames (or the caller named none that fits)."""
 
 
-class ProfileEncodeError(EncodeError):
+class ProfileEncodeError(_ProfileError, EncodeError):
     """A value the profile's builder cannot write (wrong type, out of range, not ASCII)."""
-
-    def __init__(
-        self,
-        problem: str,
-        *,
-        profile: str,
-        backend: str | None,
-        message: str | None = None,
-        field: str | None = None,
-        frame: int | None = None,
-    ) -> None:
-        super().__init__(problem, message=message, field=field, frame=frame)
-        self.profile = profile
-        self.backend = backend
-        _prefix(self, profile, backend)
 
 
 class ConversionError(WireError):
