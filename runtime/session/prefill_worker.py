@@ -109,8 +109,10 @@ class PrefillWorker:
         self._conns: dict[bytes, _Conn] = {}
         self._by_peer: dict[PeerRef, _Conn] = {}
         self._sources: dict[int, RoomSlots] = {}
-        self._requests: dict[tuple[int, PeerRef], wire.TransferRequest] = {}
-        self._state_plans: dict[tuple[int, PeerRef], tuple[PlanGroup, ...]] = {}
+        # room -> peer -> its request / its state plan (planned once, on the first state part);
+        # keyed by room first so releasing a room touches only that room's entries
+        self._requests: dict[int, dict[PeerRef, wire.TransferRequest]] = {}
+        self._state_plans: dict[int, dict[PeerRef, tuple[PlanGroup, ...]]] = {}
         self._handles: dict[int, TransferHandle] = {}
         self._done_now: list[int] = []  # parts completed without an engine write
         # room -> [first post, last completion] (perf_counter): the data-movement span, for
@@ -263,10 +265,9 @@ class PrefillWorker:
             return
         comps = tuple(i for i, idx in enumerate(req.state_indices) if idx is not None and len(idx) > 0)
         target = Target(conn.peer, conn.plan.is_dummy, comps, conn.plan.writes_aux and req.dst_aux_index >= 0)
-        key = (room, conn.peer)
         actions = self.session.on_request(room, target, int(req.required_dst_info_num), time.monotonic())
         if room in self.session.rooms and conn.peer in self.session.rooms[room].targets:
-            self._requests.setdefault(key, req)
+            self._requests.setdefault(room, {}).setdefault(conn.peer, req)
         self._run(actions)
 
     # ------------------------------------------------------------------ actions out
@@ -301,7 +302,7 @@ class PrefillWorker:
 
     def _plan(self, a: PostTransfer, conn: _Conn) -> tuple[PlanGroup, wire.Notification]:
         assert conn.plan is not None
-        req = self._requests[(a.room, a.peer)]
+        req = self._requests[a.room][a.peer]
         src = self._sources[a.room]
         part = a.part
         if isinstance(part, KvPart):
@@ -311,8 +312,8 @@ class PrefillWorker:
             )
             kind, chunk, last, comp = wire.NotificationKind.KV, part.chunk_id, part.is_last, 0
         elif isinstance(part, StatePart):
-            key = (a.room, a.peer)
-            if key not in self._state_plans:
+            plans = self._state_plans.setdefault(a.room, {})
+            if a.peer not in plans:
                 dst_lists = [
                     np.asarray(i) if i is not None else np.zeros(0, np.int32) for i in req.state_indices
                 ]
@@ -321,8 +322,8 @@ class PrefillWorker:
                     s if len(d) else np.zeros(0, np.int32)
                     for s, d in zip(src.state_indices(self.caches.spec), dst_lists, strict=True)
                 ]
-                self._state_plans[key] = conn.plan.plan_state(src_lists, dst_lists)
-            group = self._state_plans[key][part.component]
+                plans[a.peer] = conn.plan.plan_state(src_lists, dst_lists)
+            group = plans[a.peer][part.component]
             kind, chunk, last, comp = wire.NotificationKind.STATE, 0, False, part.component
         else:
             assert isinstance(part, AuxPart)
@@ -376,9 +377,8 @@ class PrefillWorker:
                 self.backend.release(h)
             if x in self._done_now:
                 self._done_now.remove(x)
-        for key in [k for k in self._requests if k[0] == a.room]:
-            del self._requests[key]
-            self._state_plans.pop(key, None)
+        self._requests.pop(a.room, None)
+        self._state_plans.pop(a.room, None)
         self._sources.pop(a.room, None)
         if a.status is RoomStatus.SUCCESS:
             self.stats.rooms_ok += 1
