@@ -135,7 +135,9 @@ class PrefillRoom:
 
     def on_abort(self, peer: PeerRef) -> list[Action]:
         acts: list[Action] = [SendAbortAck(peer, self.room)]
-        if self.finished:
+        if self.finished or peer not in self.targets:
+            # Only a requester may abort the room: another engine that reused the room id
+            # (and was refused as a duplicate) aborts *its* attempt, not this one.
             return acts
         return acts + self._fail(Failure(FailureKind.ABORTED, f"aborted by {peer}"), skip=peer)
 

@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import pytest
 from pdwire.runtime.backends import Backend, available_backends
 from pdwire.runtime.demo_cluster import Cluster, Group, RoomResult
+from pdwire.runtime.demo_content import RoomSlots, pages_for
 from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.session.prefill_worker import PrefillWorker
 
@@ -81,12 +83,18 @@ def running_pool(backend: str) -> Iterator[Pool]:
         assert_clean_shutdown(p)  # no stray byte on any decode rank, no failure logged anywhere
 
 
-def worker_caches(backend: Backend) -> RankCaches:
-    """One-rank caches of SPEC in ``backend``'s registered memory, for in-process workers."""
-    buf = backend.allocate("caches", bytes_needed(SPEC, 1, 0, WORKER_CAP))
-    c = build_caches(SPEC, 1, 0, WORKER_CAP, buf.array)
+def worker_caches(backend: Backend, tp: int = 1, rank: int = 0) -> RankCaches:
+    """Rank ``rank`` of ``tp``'s caches of SPEC in ``backend``'s registered memory, for in-process workers."""
+    buf = backend.allocate("caches", bytes_needed(SPEC, tp, rank, WORKER_CAP))
+    c = build_caches(SPEC, tp, rank, WORKER_CAP, buf.array)
     backend.register(c.regions())
     return c
+
+
+def room_slots(tokens: int) -> RoomSlots:
+    """Slots for one room of ``tokens`` tokens: pages and SWA pages from 0, Mamba slot 1, aux 0."""
+    pages, swa = pages_for(SPEC, tokens)
+    return RoomSlots(np.arange(pages, dtype=np.int32), 1, np.arange(swa, dtype=np.int32), 0)
 
 
 @contextmanager

@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import zmq
 from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
 from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors, pages_for
+from pdwire.runtime.demo_content import fill, full_tensors
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
 from pdwire.runtime.session.failures import Failure
@@ -23,7 +22,7 @@ from pdwire.runtime.session.prefill_worker import PrefillWorker
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
-from tests.e2e.conftest import SPEC, serving, worker_caches
+from tests.e2e.conftest import SPEC, room_slots, serving, worker_caches
 
 
 class FirstTransferFails(LocalBackend):
@@ -31,11 +30,6 @@ class FirstTransferFails(LocalBackend):
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
         return failed("injected engine failure") if handle.id == 1 else PENDING
-
-
-def slots(tokens: int) -> RoomSlots:
-    pages, swa = pages_for(SPEC, tokens)
-    return RoomSlots(np.arange(pages, dtype=np.int32), 1, np.arange(swa, dtype=np.int32), 0)
 
 
 def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> None:
@@ -57,9 +51,9 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
         with serving(pre):  # the prefill rank answers the handshake while connect() blocks
             engine = dec.connect([pre.endpoint], timeout_s=10)
         tokens = 40  # 10 pages: one KV chunk, two state components and aux, all posted at once
-        src = slots(tokens)
+        src = room_slots(tokens)
         fill(pc, src, full_tensors(SPEC, 1, 7, tokens))
-        dec.start_room(7, slots(tokens), engine)
+        dec.start_room(7, room_slots(tokens), engine)
         deadline = time.monotonic() + 10
         while 7 not in pre.session.rooms or not pre._requests:
             assert time.monotonic() < deadline, "the TransferRequest never arrived"

@@ -222,6 +222,18 @@ def test_abort_of_unknown_room_is_acknowledged() -> None:
     assert PrefillSession().on_abort(7, PeerRef("d", 0)) == [SendAbortAck(PeerRef("d", 0), 7)]
 
 
+def test_abort_from_a_peer_that_is_not_a_requester_leaves_the_room_alone() -> None:
+    # another decode engine reused the room id, was refused as a duplicate, and aborts its attempt
+    s = PrefillSession()
+    s.on_request(ROOM, Target(PeerRef("owner", 0), False), 1, 0.0)
+    stranger = PeerRef("other-engine", 0)
+    assert s.on_abort(ROOM, stranger) == [SendAbortAck(stranger, ROOM)]
+    assert ROOM in s.rooms and not s.rooms[ROOM].finished
+    acts = s.on_abort(ROOM, PeerRef("owner", 0))
+    rel = next(a for a in acts if isinstance(a, ReleaseRoom))
+    assert rel.failure is not None and rel.failure.kind is FailureKind.ABORTED
+
+
 def test_timeout_reason_says_what_was_missing() -> None:
     s = PrefillSession(room_timeout_s=5.0)
     s.on_request(ROOM, Target(PeerRef("d", 0), False), 2, now=100.0)
