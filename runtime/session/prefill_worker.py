@@ -27,7 +27,7 @@ from pdwire.runtime.backends import Backend, BackendError, Peer, PeerMetadata, T
 from pdwire.runtime.demo_content import RoomSlots
 from pdwire.runtime.demo_model import RankCaches
 from pdwire.runtime.descriptors import DescriptorTable
-from pdwire.runtime.planner import PeerPlan, PlanError, PlanGroup, prepare_peer
+from pdwire.runtime.planner import IndexListMismatch, PeerPlan, PlanError, PlanGroup, prepare_peer
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
@@ -307,6 +307,12 @@ class PrefillWorker:
         part = a.part
         if isinstance(part, KvPart):
             dst = np.asarray(req.dst_kv_indices)
+            if part.is_last and part.stop != len(dst):
+                # The chunks slice the destination list; a longer list would leave its tail
+                # unwritten while both sides report Success.
+                raise IndexListMismatch(
+                    f"prefill produced {part.stop} KV pages, {a.peer} asked for {len(dst)}", component="kv"
+                )
             group = conn.plan.plan_kv_chunk(
                 part.chunk_id, src.pages[part.start : part.stop], dst[part.start : part.stop]
             )
