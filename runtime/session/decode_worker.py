@@ -220,7 +220,14 @@ class DecodeWorker:
                 self._drain(link)
         for n in self.backend.receive_notifications():
             self.stats.engine_notifications += 1
-            self._on_notification(wire.decode_bytes(n.payload))
+            try:
+                msg = wire.decode_bytes(n.payload)
+            except wire.WireError as exc:
+                # a peer's bad payload must not stop this loop (every room on the rank would
+                # hang); the room it belonged to, if any, still fails at its deadline
+                self.stats.failures.append(f"undecodable engine notification from {n.peer_agent_name}: {exc}")
+                continue
+            self._on_notification(msg)
         if self.session.rooms:
             self._run(self.session.on_tick(time.monotonic()))
         return events

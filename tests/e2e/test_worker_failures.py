@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import zmq
+from pdwire.runtime.backends import shm
 from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_content import fill, full_tensors
@@ -73,5 +74,22 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
         pre.close()
         dec.close()
         pb.close()
+        db.close()
+        ctx.term()
+
+
+def test_an_undecodable_engine_notification_is_recorded_and_the_decode_loop_goes_on() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    db = LocalBackend(agent_name="dec")
+    dec = DecodeWorker(
+        Identity(wire.Role.DECODE, "dec", 1, 0, model_fingerprint(SPEC)), worker_caches(db), db, ctx
+    )
+    try:
+        shm.send(db._inbox.path, "someone", b"not a pdwire frame")
+        dec.step(10)  # must not raise: one peer's bad payload cannot stop every room on this rank
+        assert dec.stats.engine_notifications == 1
+        assert any("undecodable engine notification from someone" in f for f in dec.stats.failures)
+    finally:
+        dec.close()
         db.close()
         ctx.term()
