@@ -88,7 +88,8 @@ class HandshakeError(SessionError):
 
 
 class RegistrationMismatch(HandshakeError):
-    """A self-described (1.2) registration disagrees with this side's model.
+    """A registration disagrees with this side's model (1.2 self-description) or with itself
+    (per-layer values of one tensor that differ, at any version).
 
     ``component`` is ``"state_components[i] (kind)"``, ``tensor`` the tensor name (or "" for
     the whole component) and ``field`` the StateComponent field that differs.

@@ -325,9 +325,26 @@ def _split_layers(ci: int, wc: wire.StateComponent, nt: int) -> int:
     return n // nt
 
 
-def _wire_tensor(wc: wire.StateComponent, name: str, ti: int, layers: int, axis: int | None) -> StateTensor:
-    """Tensor ``ti`` of a registered component: its ``layers`` entries (the wire lists them tensor major)."""
+def _wire_tensor(
+    where: str, wc: wire.StateComponent, name: str, ti: int, layers: int, axis: int | None
+) -> StateTensor:
+    """Tensor ``ti`` of a registered component: its ``layers`` entries (the wire lists them tensor major).
+
+    The planner models one slot size, sharded-axis size and sub-block split per tensor, so the
+    per-layer entries must agree; a registration whose layers differ is refused here rather
+    than planned with the first layer's geometry (which would write the others' bytes wrong).
+    """
     sl = slice(ti * layers, (ti + 1) * layers)
+    per_layer: list[tuple[str, list[tuple[int, ...]]]] = [
+        ("bytes_per_slot", [(int(x),) for x in wc.bytes_per_slot[sl]]),
+        ("shard_axis_sizes", [(int(x),) for x in wc.shard_axis_sizes[sl]]),
+        ("sub_blocks", [_ints(b) for b in wc.sub_blocks[sl]]),
+    ]
+    for field, values in per_layer:
+        if len(set(values)) > 1:
+            raise RegistrationMismatch(
+                where, name, field, f"layers differ ({sorted(set(values))}); one value per tensor is required"
+            )
     blocks = _ints(wc.sub_blocks[sl.start]) if wc.sub_blocks else ()
     return StateTensor(
         name,
@@ -359,7 +376,9 @@ def _borrowed_component(
             heads = HeadGeometry(info.page_size, layout, hpr, full, per_slot[first] // (info.page_size * hpr))
         elif full:
             axis = full // g.tp_size
-        tensors.append(_wire_tensor(wc, lt.name, ti, layers, axis))
+        tensors.append(
+            _wire_tensor(f"state_components[{ci}] ({lc.kind.value})", wc, lt.name, ti, layers, axis)
+        )
     replicated = heads is None and all(t.sharded_axis_size is None for t in tensors) and lc.replicated
     indexing = Indexing.SLOT if lc.kind is StateKind.MAMBA else Indexing.PAGE
     return StateComponent(
@@ -417,7 +436,7 @@ def _described_component(
     for ti, name in enumerate(names):
         full = shard[ti * layers]
         axis = full // tp_size if sharding == wire.StateSharding.AXIS and full else None
-        tensors.append(_wire_tensor(wc, name, ti, layers, axis))
+        tensors.append(_wire_tensor(where, wc, name, ti, layers, axis))
     return StateComponent(
         lc.kind,
         indexing,

@@ -195,6 +195,22 @@ def test_a_self_description_that_contradicts_itself_is_refused() -> None:
         remote_memory(three, pre.memory)
 
 
+@pytest.mark.parametrize("version", [(1, 2), (1, 1)])
+def test_per_layer_values_that_differ_within_one_tensor_are_refused(version: tuple[int, int]) -> None:
+    # the planner keeps one slot size per tensor: planning with layer 0's would misplace layer 1's bytes
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    info = _register(dec.memory, version)
+    mamba = info.state_components[0]
+    per_slot = np.array(mamba.bytes_per_slot, dtype=np.uint64)
+    assert len(per_slot) >= 2  # conv spans at least two layers
+    per_slot[1] = per_slot[1] // 2
+    with pytest.raises(RegistrationMismatch) as e:
+        remote_memory(replace_struct(info, 0, bytes_per_slot=per_slot), pre.memory)
+    assert (e.value.tensor, e.value.field) == ("conv", "bytes_per_slot")
+    assert "layers differ" in str(e.value)
+
+
 def replace_struct(info: wire.RegisterInfo, ci: int, **changes: object) -> wire.RegisterInfo:
     import msgspec
 
