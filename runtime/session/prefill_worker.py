@@ -125,6 +125,9 @@ class PrefillWorker:
         """Chunked prefill produced pages ``[start, stop)`` of ``room`` (held in ``source``)."""
         self._sources.setdefault(room, source)
         self._run(self.session.on_chunk(room, start, stop, is_last, time.monotonic()))
+        if room not in self.session.rooms:
+            # a chunk of a room that already ended (failed, aborted): nothing will release it
+            self._sources.pop(room, None)
 
     # ------------------------------------------------------------------ the loop
 

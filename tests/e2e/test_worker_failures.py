@@ -17,7 +17,7 @@ from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_content import fill, full_tensors
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
-from pdwire.runtime.session.failures import Failure
+from pdwire.runtime.session.failures import Failure, FailureKind
 from pdwire.runtime.session.handshake import Identity
 from pdwire.runtime.session.prefill_worker import PrefillWorker
 from pdwire.runtime.session.status import RoomStatus
@@ -92,4 +92,24 @@ def test_an_undecodable_engine_notification_is_recorded_and_the_decode_loop_goes
     finally:
         dec.close()
         db.close()
+        ctx.term()
+
+
+def test_a_chunk_of_a_room_that_already_failed_leaves_nothing_behind() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    pb = LocalBackend(agent_name="pre")
+    pre = PrefillWorker(
+        Identity(wire.Role.PREFILL, "pre", 1, 0, model_fingerprint(SPEC)), worker_caches(pb), pb, ctx
+    )
+    try:
+        src = room_slots(16)
+        pre.chunk_ready(5, src, 0, 2, False)
+        assert 5 in pre.session.rooms and 5 in pre._sources
+        pre._run(pre.session.fail_room(5, Failure(FailureKind.ABORTED, "the engine gave up")))
+        pre.chunk_ready(5, src, 2, len(src.pages), True)  # the engine's next chunk arrives late
+        assert 5 not in pre.session.rooms
+        assert 5 not in pre._sources
+    finally:
+        pre.close()
+        pb.close()
         ctx.term()
