@@ -26,7 +26,13 @@ from pdwire.runtime.planner import route_decode_rank
 from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
 from pdwire.runtime.session.decode_room import PartKind, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
-from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_from_wire
+from pdwire.runtime.session.failures import (
+    Failure,
+    FailureKind,
+    HandshakeError,
+    SessionError,
+    failure_from_wire,
+)
 from pdwire.runtime.session.handshake import (
     REGISTER_ACK_SINCE,
     REGISTER_ROOM,
@@ -174,6 +180,9 @@ class DecodeWorker:
         self, room: int, slots: RoomSlots, prefill_engine: str, *, timeout_s: float | None = None
     ) -> None:
         """Ask the prefill engine for ``room`` into ``slots``; raises DuplicateRoomError first if in use."""
+        if room == REGISTER_ROOM:
+            # its TransferStatus would be taken for a registration answer and dropped
+            raise SessionError(f"room {REGISTER_ROOM} is reserved for registration answers; rooms start at 1")
         spec = self.caches.spec
         route = route_decode_rank(
             self._engines[prefill_engine], self.identity.tp_size, self.identity.tp_rank, is_mla=spec.mla

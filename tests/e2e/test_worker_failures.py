@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import zmq
 from pdwire.runtime.backends import shm
 from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
@@ -17,7 +18,7 @@ from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_content import fill, full_tensors
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
-from pdwire.runtime.session.failures import Failure, FailureKind
+from pdwire.runtime.session.failures import Failure, FailureKind, SessionError
 from pdwire.runtime.session.handshake import Identity
 from pdwire.runtime.session.prefill_worker import PrefillWorker
 from pdwire.runtime.session.status import RoomStatus
@@ -112,4 +113,20 @@ def test_a_chunk_of_a_room_that_already_failed_leaves_nothing_behind() -> None:
     finally:
         pre.close()
         pb.close()
+        ctx.term()
+
+
+def test_room_zero_is_reserved_and_refused_before_anything_is_sent() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    db = LocalBackend(agent_name="dec")
+    dec = DecodeWorker(
+        Identity(wire.Role.DECODE, "dec", 1, 0, model_fingerprint(SPEC)), worker_caches(db), db, ctx
+    )
+    try:
+        with pytest.raises(SessionError, match="room 0 is reserved"):
+            dec.start_room(0, room_slots(16), "any-engine")
+        assert dec.stats.messages_out == 0 and not dec.session.rooms
+    finally:
+        dec.close()
+        db.close()
         ctx.term()
