@@ -155,10 +155,15 @@ def test_any_fault_fails_once_and_releases_everything(
     if fault == "xfer_failed" and d.in_flight:
         log.take(s.on_xfer_failed(d.in_flight.pop(0), "ERR"))
         kind = FailureKind.ENGINE_ERROR
-    elif fault == "abort":
+    elif fault == "abort" and culprit in s.rooms[ROOM].targets:
         log.take(s.on_abort(ROOM, culprit))
         kind, expect_skip = FailureKind.ABORTED, culprit
         assert log.acks == [SendAbortAck(culprit, ROOM)]
+    elif fault == "abort":  # not a requester of this room (yet): acknowledged, the room untouched
+        log.take(s.on_abort(ROOM, culprit))
+        assert log.acks == [SendAbortAck(culprit, ROOM)] and not log.releases
+        log.take(s.on_tick(1e9))
+        kind = FailureKind.TIMEOUT
     elif fault == "peer_lost" and culprit in s.rooms[ROOM].targets:
         log.take(s.on_peer_lost(culprit))
         kind, expect_skip = FailureKind.PEER_GONE, culprit
