@@ -7,11 +7,17 @@ lists, ASCII decimal integers, and everything unpacked back to Python lists.
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import struct
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import msgspec
+import numpy as np
 
 
 def pack_list_of_buffers(bufs: list[bytes]) -> bytes:
@@ -63,21 +69,52 @@ def ascii_int(v: int) -> bytes:
 # ---------------------------------------------------------------------------- timing
 
 
+K = TypeVar("K")
 TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def per_call_us(fn: Callable[[], object], repeat: int, quick: bool, timer: str = "wall") -> float:
-    """Median over ``repeat`` runs of the mean time per call.
+def _calibrate(fn: Callable[[], object], clock: Callable[[], float], seconds: float) -> int:
+    """How many calls of ``fn`` take about ``seconds``."""
+    number = 1
+    while timeit.Timer(fn, timer=clock).timeit(number=number) < seconds:
+        number *= 2
+    return number
 
-    ``timer="cpu"`` counts this process's CPU time only: on a shared machine a run that is
-    descheduled by other jobs does not count the time it waited.
+
+def interleaved_us(
+    fns: Mapping[K, Callable[[], object]], repeat: int, quick: bool, timer: str = "wall"
+) -> dict[K, list[float]]:
+    """Per-call µs of every function in each of ``repeat`` rounds, the functions taking turns.
+
+    Each round times every function once (the mean over about 5 ms of calls, 1 ms with
+    ``quick``), so each cell samples the same stretches of machine time: this shared VM
+    swings between a fast and a slow phase (a plain Python loop runs up to 1.8x slower in
+    the slow one), and a cell measured in one block would carry its phase into the ratio.
+    ``timer="cpu"`` counts this process's CPU time only, so time other jobs took does not count.
     """
     clock = TIMERS[timer]
-    number = 1
-    while True:  # calibrate to ~20 ms per run (~2 ms with --quick)
-        t = timeit.Timer(fn, timer=clock).timeit(number=number)
-        if t > (0.002 if quick else 0.02):
-            break
-        number *= 2
-    runs = timeit.Timer(fn, timer=clock).repeat(number=number, repeat=repeat)
-    return statistics.median(runs) / number * 1e6
+    numbers = {k: _calibrate(fn, clock, 0.001 if quick else 0.005) for k, fn in fns.items()}
+    runs: dict[K, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            n = numbers[k]
+            runs[k].append(timeit.Timer(fn, timer=clock).timeit(number=n) / n * 1e6)
+    return runs
+
+
+def reference_loop() -> object:
+    """A fixed pure-Python workload timed with every benchmark: its spread shows the machine's phases."""
+    return sum(_REFERENCE_RANGE)
+
+
+_REFERENCE_RANGE = range(100)
+
+
+def machine_line(repeat: int, timer: str, load: float, reference: list[float]) -> str:
+    """The header line every codec table starts with: machine, library versions, the reference loop."""
+    return (
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"msgspec {msgspec.__version__}, numpy {np.__version__}; medians of {repeat} interleaved rounds "
+        f"({timer} time); load average at start {load:.1f}; reference loop (sum(range(100))) "
+        f"median {statistics.median(reference):.2f} µs, fastest {min(reference):.2f} µs"
+    )

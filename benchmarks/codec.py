@@ -1,21 +1,23 @@
 """Codec benchmark: pdwire's generated codecs against today's hand-written positional frames.
 
-    .venv/bin/python benchmarks/codec.py [--repeat 7] [--quick]
+    .venv/bin/python benchmarks/codec.py [--repeat 21] [--quick] [--timer cpu] [--sglang]
 
 Messages: RegisterInfo (64 layers, 3 state components) and TransferRequest (2048 KV pages;
 components mamba [1 slot], swa [64 pages], dsa [2048 pages]). The baseline encodes the same
 content (every field pdwire's message carries; checked in the run) the way SGLang writes it
 today: positional ZMQ frames, ASCII integers, pointer lists packed with ``struct.pack``,
 per-component lists (and lists of buffers) packed with ``struct.pack`` into count + lengths
-+ payload and unpacked back to lists. Each cell is the median of
-``--repeat`` timing runs (each the mean over many calls), measured in the same process.
++ payload and unpacked back to lists. The floor row writes and reads the same frames with only
+the msgspec and numpy calls this layout needs and no checks (see ``request_floor``). Each cell
+is the median of ``--repeat`` interleaved rounds (each the mean over many calls, every codec
+taking turns in the same process); "fastest" is the best round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +27,12 @@ import pdwire.wire as w
 from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
     TIMERS,
     ascii_int,
+    interleaved_us,
+    machine_line,
     native_u64,
     pack_int_lists,
     pack_list_of_buffers,
-    per_call_us,
+    reference_loop,
     unpack_int_lists,
     unpack_list_of_buffers,
     unpack_u64,
@@ -245,20 +249,59 @@ def request_content() -> tuple[w.TransferRequest, dict[str, Any]]:
     return msg, raw
 
 
+# ---------------------------------------------------------------------------- the floor
+
+
+def request_floor(req: w.TransferRequest) -> tuple[Callable[[], list[Any]], Callable[[list[bytes]], object]]:
+    """TransferRequest's frames with only the library calls any codec of this layout must make.
+
+    Encode: the header, msgspec on the body (small arrays copied in with ``tobytes``, the
+    cheapest way) and the two large arrays' buffers as side frames; decode: msgspec into the
+    typed body, four ``np.frombuffer`` views and the message struct. No type, dtype, order or
+    frame-count checks, no dispatch: what is left when every check pdwire makes is removed.
+    """
+    mc = w.REGISTRY.by_class[w.TransferRequest]
+    header, body_decode, encode_body = mc.headers[2], mc.decoder.decode, msgspec.msgpack.Encoder().encode
+    i32, fb = np.dtype("<i4"), np.frombuffer
+
+    def encode() -> list[Any]:
+        m = req
+        mamba, swa, dsa = m.state_indices
+        assert mamba is not None and swa is not None and dsa is not None
+        fields = [m.room, m.sender, 2, m.dst_aux_index, b"", m.required_dst_info_num, m.decode_prefix_len]
+        body = encode_body([*fields, m.is_dummy, [mamba.tobytes(), swa.tobytes(), 3]])
+        return [header, body, m.dst_kv_indices.data, dsa.data]
+
+    def decode(f: list[bytes]) -> object:
+        b = body_decode(f[1])
+        mamba, swa, _ = b.state_indices
+        return w.TransferRequest(
+            room=b.room,
+            sender=b.sender,
+            dst_kv_indices=fb(f[2], i32),
+            dst_aux_index=b.dst_aux_index,
+            required_dst_info_num=b.required_dst_info_num,
+            decode_prefix_len=b.decode_prefix_len,
+            is_dummy=b.is_dummy,
+            state_indices=[fb(mamba, i32), fb(swa, i32), fb(f[3], i32)],
+        )
+
+    return encode, decode
+
+
 # ---------------------------------------------------------------------------- timing
-
-
-def _bind(dec: Callable[[list[bytes]], object], received: list[bytes]) -> Callable[[], object]:
-    return lambda: dec(received)
 
 
 def frames_bytes(frames: list[Any]) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
+Case = tuple[str, str, Callable[[], list[Any]], Callable[[list[bytes]], object]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
     ap.add_argument(
         "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
@@ -269,21 +312,67 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     reg, reg_raw = register_content()
     req, req_raw = request_content()
-
-    cases: list[tuple[str, Callable[[], list[Any]], Callable[[list[bytes]], object], str]] = [
-        ("RegisterInfo", lambda: w.encode(reg), w.decode, "pdwire"),
-        ("RegisterInfo", lambda: baseline_register_encode(reg_raw), baseline_register_decode, "baseline"),
-        ("TransferRequest", lambda: w.encode(req), w.decode, "pdwire"),
-        ("TransferRequest", lambda: baseline_request_encode(req_raw), baseline_request_decode, "baseline"),
+    floor_encode, floor_decode = request_floor(req)
+    cases: list[Case] = [
+        ("RegisterInfo", "pdwire", lambda: w.encode(reg), w.decode),
+        ("RegisterInfo", "baseline", lambda: baseline_register_encode(reg_raw), baseline_register_decode),
+        ("TransferRequest", "pdwire", lambda: w.encode(req), w.decode),
+        ("TransferRequest", "floor", floor_encode, floor_decode),
+        ("TransferRequest", "baseline", lambda: baseline_request_encode(req_raw), baseline_request_decode),
     ]
-    results: dict[tuple[str, str], tuple[float, float, int, int]] = {}
-    for name, enc, dec, codec in cases:
-        received = frames_bytes(enc())  # what a ZMQ receiver holds
-        e = per_call_us(enc, args.repeat, args.quick, args.timer)
-        d = per_call_us(_bind(dec, received), args.repeat, args.quick, args.timer)
-        results[(name, codec)] = (e, d, sum(len(f) for f in received), len(received))
+    check_same_content(reg, reg_raw, req, req_raw, floor_encode, floor_decode)
+    received = {(name, codec): frames_bytes(enc()) for name, codec, enc, _ in cases}  # what ZMQ delivers
+    fns: dict[tuple[str, str, str], Callable[[], object]] = {("reference", "", ""): reference_loop}
+    for name, codec, enc, dec in cases:
+        fns[(name, codec, "encode")] = enc
+        fns[(name, codec, "decode")] = _bind(dec, received[(name, codec)])
+    runs = interleaved_us(fns, args.repeat, args.quick, args.timer)
 
+    def cell(name: str, codec: str) -> tuple[float, float, float]:
+        e, d = runs[(name, codec, "encode")], runs[(name, codec, "decode")]
+        both = [x + y for x, y in zip(e, d, strict=True)]  # the same round's encode and decode
+        return statistics.median(e), statistics.median(d), statistics.median(both)
+
+    print(machine_line(args.repeat, args.timer, load, runs[("reference", "", "")]))
+    print()
+    print(
+        "| message | codec | encode µs | decode µs | enc+dec µs | fastest enc+dec µs | speed-up "
+        "| bytes on wire | frames |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, codec, _, _ in cases:
+        e, d, both = cell(name, codec)
+        fastest = min(
+            x + y for x, y in zip(runs[(name, codec, "encode")], runs[(name, codec, "decode")], strict=True)
+        )
+        speed = cell(name, "baseline")[2] / both
+        frames = received[(name, codec)]
+        print(
+            f"| {name} | {codec} | {e:.2f} | {d:.2f} | {both:.2f} | {fastest:.2f} | {speed:.1f}x | "
+            f"{sum(len(f) for f in frames)} | {len(frames)} |"
+        )
+    # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
+    if args.sglang:
+        from codec_sglang import TABLE_HEAD  # benchmarks/ is on sys.path when run as a script
+        from codec_sglang import run as sglang_rows
+
+        print("\n".join(["", *TABLE_HEAD, *sglang_rows(args.repeat, args.quick, args.timer)[0]]))
+    return 0
+
+
+def check_same_content(
+    reg: w.RegisterInfo,
+    reg_raw: dict[str, Any],
+    req: w.TransferRequest,
+    req_raw: dict[str, Any],
+    floor_encode: Callable[[], list[Any]],
+    floor_decode: Callable[[list[bytes]], object],
+) -> None:
+    """Every codec in the table carries the same content: checked before anything is timed."""
     assert w.decode(frames_bytes(w.encode(req))) == req and w.decode(frames_bytes(w.encode(reg))) == reg
+    # the floor writes pdwire's exact frames and reads them back into the same message
+    assert frames_bytes(floor_encode()) == frames_bytes(w.encode(req))
+    assert floor_decode(frames_bytes(w.encode(req))) == req
     # the baseline carries the same content: what it decodes is what pdwire's message holds
     assert baseline_register_decode(frames_bytes(baseline_register_encode(reg_raw))) == reg_raw
     got = baseline_request_decode(frames_bytes(baseline_request_encode(req_raw)))
@@ -297,24 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         req.decode_prefix_len,
         req.is_dummy,
     )
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"msgspec {msgspec.__version__}, numpy {np.__version__}; "
-        f"median of {args.repeat} runs ({args.timer} time); load average at start {load:.1f}"
-    )
-    print()
-    print("| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (name, codec), (e, d, nbytes, nframes) in results.items():
-        base = results[(name, "baseline")]
-        speed = (base[0] + base[1]) / (e + d)
-        print(f"| {name} | {codec} | {e:.2f} | {d:.2f} | {e + d:.2f} | {speed:.1f}x | {nbytes} | {nframes} |")
-    # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
-    if args.sglang:
-        from codec_sglang import run as sglang_rows  # benchmarks/ is on sys.path when run as a script
 
-        print("\n".join(sglang_rows(args.repeat, args.quick)))
-    return 0
+
+def _bind(dec: Callable[[list[bytes]], object], received: list[bytes]) -> Callable[[], object]:
+    return lambda: dec(received)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """SGLang profile benchmark: generated ``pdwire.wire.sglang`` codecs against hand-written frame code.
 
-    .venv/bin/python benchmarks/codec_sglang.py [--repeat 7] [--quick] [--timer cpu]
+    .venv/bin/python benchmarks/codec_sglang.py [--repeat 21] [--quick] [--timer cpu]
 
 (``benchmarks/codec.py --sglang`` runs it after pdwire's own rows.) Messages, SGLang 0.5.23
 layouts: NIXL register (64 KV layers, 2 state components, opaque 1 KiB agent metadata),
@@ -9,33 +9,38 @@ transfer info (same indices), NIXL status. The baseline is SGLang-style hand-wri
 builders with ``struct.pack``/``tobytes``/``pack_int_lists`` and parsers with ``int()``,
 ``struct.unpack`` and ``np.frombuffer`` (lists unpacked to Python lists, as SGLang does),
 with none of the generated codec's validation. Both produce the same frames (asserted).
-Each cell is the median of ``--repeat`` runs, each the mean over many calls, same process;
-``--timer cpu`` counts this process's CPU time only (a run descheduled on a shared machine does
-not count the time it waited).
+Each cell is the median of ``--repeat`` interleaved rounds (``baseline_frames.interleaved_us``),
+each the mean over many calls, same process; ``--timer cpu`` counts this process's CPU time only
+(a run descheduled on a shared machine does not count the time it waited).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
+import statistics
 import struct
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import numpy as np
 from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
     TIMERS,
+    interleaved_us,
+    machine_line,
     native_u64,
     pack_int_lists,
-    per_call_us,
+    reference_loop,
     unpack_int_lists,
     unpack_u64,
 )
 from pdwire.wire import sglang
 
 IP = b"10.0.0.2"
+TABLE_HEAD = (
+    "| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |",
+    "|---|---|---|---|---|---|---|---|",
+)
 
 
 # ---------------------------------------------------------------------------- hand-written baseline
@@ -193,7 +198,8 @@ def contents() -> dict[str, Any]:
     return {"reg": reg, "kv": pages, "state": idx}
 
 
-def run(repeat: int, quick: bool, timer: str = "wall") -> list[str]:
+def run(repeat: int, quick: bool, timer: str = "wall") -> tuple[list[str], list[float]]:
+    """The table rows, and the reference loop's per-round times (for the header line)."""
     c = contents()
     reg = c["reg"]
     nixl_reg = sglang.NixlRegister(
@@ -255,48 +261,52 @@ def run(repeat: int, quick: bool, timer: str = "wall") -> list[str]:
         ),
         ("NixlStatus", st, lambda: base_status_encode(st.room, "délai dépassé"), base_status_decode),
     ]
-    rows = []
+    fns: dict[tuple[str, str, str], Callable[[], object]] = {("reference", "", ""): reference_loop}
+    sizes = {}
     for name, msg, base_enc, base_dec in cases:
         frames = sglang.encode(msg)
         assert base_enc() == frames, name  # the same bytes on the wire
         assert sglang.to_dict(sglang.decode(frames)) == sglang.to_dict(msg)
-        timings = {}
+        sizes[name] = (sum(len(f) for f in frames), len(frames))
         for codec, enc, dec in (
             ("pdwire", lambda m=msg: sglang.encode(m), sglang.decode),
             ("hand-written", base_enc, base_dec),
         ):
-            e = per_call_us(enc, repeat, quick, timer)
-            d = per_call_us(lambda dec=dec, f=frames: dec(f), repeat, quick, timer)
-            timings[codec] = (e, d)
-        base = sum(timings["hand-written"])
-        for codec, (e, d) in timings.items():
+            fns[(name, codec, "encode")] = enc
+            fns[(name, codec, "decode")] = lambda dec=dec, f=frames: dec(f)
+    runs = interleaved_us(fns, repeat, quick, timer)
+    rows = []
+    for name, *_ in cases:
+        cells = {
+            codec: (
+                statistics.median(runs[(name, codec, "encode")]),
+                statistics.median(runs[(name, codec, "decode")]),
+            )
+            for codec in ("pdwire", "hand-written")
+        }
+        base = sum(cells["hand-written"])
+        nbytes, nframes = sizes[name]
+        for codec, (e, d) in cells.items():
             rows.append(
                 f"| sglang {name} | {codec} | {e:.2f} | {d:.2f} | {e + d:.2f} | {base / (e + d):.1f}x | "
-                f"{sum(len(f) for f in frames)} | {len(frames)} |"
+                f"{nbytes} | {nframes} |"
             )
-    return rows
+    return rows, runs[("reference", "", "")]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
     ap.add_argument(
         "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
     )
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
-    rows = run(args.repeat, args.quick, args.timer)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"msgspec {msgspec.__version__}, numpy {np.__version__}; median of {args.repeat} runs "
-        f"({args.timer} time); "
-        f"load average at start {load:.1f}"
-    )
+    rows, reference = run(args.repeat, args.quick, args.timer)
+    print(machine_line(args.repeat, args.timer, load, reference))
     print()
-    print("| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |")
-    print("|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print("\n".join([*TABLE_HEAD, *rows]))
     return 0
 
 
