@@ -13,7 +13,8 @@ worker threads inside, invisibly. The life cycle on each side is::
     peer = b.add_peer(peer_md)              # on the initiator (prefill) side
     h = b.post(peer, table, b"room-7:kv")   # one logical transfer, returns at once
     b.poll(h)                               # PENDING, DONE or FAILED(reason); never blocks
-    b.release(h)
+    b.cancel(h)                             # optional: ask the engine to stop; never blocks
+    b.release(h)                            # once poll(h) is final
     b.receive_notifications()               # on the target (decode) side
     b.close()                               # idempotent; frees everything
 
@@ -26,10 +27,22 @@ Guarantees
   visible in the peer's memory. Receiving ``(agent, payload)`` from
   :meth:`Backend.receive_notifications` therefore means the data of that transfer is
   readable. Exactly one notification per successful ``post``; none for a failed one.
-* ``poll`` never blocks and every transfer ends: a transfer that is not DONE within
-  ``transfer_timeout_s`` of its post is reported FAILED (and the engine request is
-  cancelled where the engine allows). A dead peer makes its transfers FAILED; the
-  backend stays usable for other and new peers.
+* A final state is the engine's word that the transfer is over: once ``poll`` returned
+  DONE or FAILED, the engine no longer reads the source nor writes the destination of
+  that transfer. A FAILED transfer may have written part of its destination before it
+  stopped; it writes nothing afterwards.
+* ``poll`` and ``cancel`` never block. ``cancel`` asks the engine to stop; ``poll`` then
+  reports PENDING (reason ``"cancelling"``) until the engine confirms the transfer left
+  both sides' memory alone, and then FAILED (the cancel's reason) or DONE if it completed
+  first. Every transfer ends: one not final within ``transfer_timeout_s`` of its post is
+  cancelled the same way by ``poll`` and reported FAILED ("not done after ...") once
+  confirmed. A dead peer makes its transfers FAILED; the backend stays usable for other
+  and new peers.
+* ``release`` frees a handle. On a final handle it frees the engine's request at once; on
+  one that is not final it cancels the transfer and keeps the engine's request until the
+  engine confirms, retrying on later calls and waiting for it (bounded by
+  ``close_wait_s``) at ``close``. Callers that must know when memory is safe to reuse
+  cancel and poll to a final state first; ``release`` is the last step, not a fence.
 * ``close`` releases every handle, peer, registration and buffer it created, and is
   idempotent. Buffers whose numpy views are still referenced are unmapped when the last
   view dies (the backing name, e.g. a /dev/shm file, is removed at close regardless).
@@ -102,6 +115,7 @@ class TransferStatus:
 
 
 PENDING = TransferStatus(TransferState.PENDING)
+CANCELLING = TransferStatus(TransferState.PENDING, "cancelling")  # cancel asked, engine not done yet
 DONE = TransferStatus(TransferState.DONE)
 
 
@@ -162,6 +176,7 @@ class TransferHandle:
     engine: Any = None
     status: TransferStatus = field(default=PENDING)
     released: bool = False
+    cancel_reason: str | None = None  # set once a cancel was asked: the FAILED reason to report
 
 
 class HostBuffer:
@@ -320,10 +335,13 @@ class Backend(abc.ABC):
 
     Constructor arguments common to all backends (passed through ``create_backend``):
     ``agent_name`` (unique per process on a host; generated when omitted) and
-    ``transfer_timeout_s`` (every transfer not DONE by then is FAILED).
+    ``transfer_timeout_s`` (every transfer not DONE by then is cancelled, then FAILED).
     """
 
     name: str = "?"
+    # How long close() waits for the engine to confirm that released or cancelled transfers
+    # stopped before it tears the engine down anyway.
+    close_wait_s: float = 10.0
 
     def __init__(self, agent_name: str | None = None, transfer_timeout_s: float = 30.0) -> None:
         self.agent_name = agent_name or f"{self.name}-{os.getpid()}-{os.urandom(4).hex()}"
@@ -332,6 +350,10 @@ class Backend(abc.ABC):
         self._region_columns = RegionColumns.of(())
         self._peers: dict[str, Peer] = {}
         self._handles: dict[int, TransferHandle] = {}
+        # Released (or peer-removed) while the engine might still touch their memory: their
+        # engine requests and peers are freed only once the engine confirms they stopped.
+        self._draining: dict[int, TransferHandle] = {}
+        self._removing: list[Peer] = []
         self._next_id = 1
         self._closed = False
 
@@ -391,16 +413,20 @@ class Backend(abc.ABC):
         return peer
 
     def remove_peer(self, peer: Peer) -> None:
-        """Forget a peer; its pending transfers become FAILED. Idempotent."""
+        """Forget a peer: nothing can be posted to it any more and its pending transfers are
+        cancelled (``poll`` reports them FAILED once the engine confirms). The engine's state
+        for the peer (connections, mapped memory) is freed once none of its transfers can
+        still run. Never blocks; idempotent."""
         if peer.removed:
             return
-        for h in list(self._handles.values()):
-            if h.peer is peer and not h.status.finished:
-                self._abort(h)
-                h.status = failed(f"peer {peer.agent_name!r} was removed")
         peer.removed = True
-        self._peers.pop(peer.agent_name, None)
-        self._remove_peer(peer)
+        if self._peers.get(peer.agent_name) is peer:
+            del self._peers[peer.agent_name]
+        for h in [*self._handles.values(), *self._draining.values()]:
+            if h.peer is peer:
+                self._request_cancel(h, f"peer {peer.agent_name!r} was removed")
+        self._removing.append(peer)
+        self._reap()
 
     @property
     def peers(self) -> dict[str, Peer]:
@@ -423,6 +449,7 @@ class Backend(abc.ABC):
     def _admit(self, peer: Peer, table: DescriptorTable, notification: bytes) -> TransferHandle:
         """Every check ``post`` makes before anything moves; returns an unposted handle."""
         self._check_open()
+        self._reap()
         if peer.removed or self._peers.get(peer.agent_name) is not peer:
             raise PeerError(f"peer {peer.agent_name!r} is not added to backend {self.agent_name!r}")
         if not isinstance(notification, bytes | bytearray):
@@ -437,16 +464,45 @@ class Backend(abc.ABC):
         return h
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
-        """Non-blocking. PENDING until DONE or FAILED; final states never change."""
-        h = self._own(handle)
+        """Non-blocking. PENDING until DONE or FAILED; final states never change.
+
+        A final state means the engine no longer touches either side's memory for this
+        transfer. Past the transfer's deadline the transfer is cancelled (as by
+        :meth:`cancel`) and reported PENDING ("cancelling") until the engine confirms.
+        """
+        return self._advance(self._own(handle))
+
+    def cancel(self, handle: TransferHandle) -> None:
+        """Ask the engine to stop a transfer; returns at once (never waits for the engine).
+
+        Afterwards :meth:`poll` reports PENDING ("cancelling") until the engine confirms it
+        no longer touches either side's memory, then FAILED ("cancelled"), or DONE if the
+        transfer completed first (its notification may then have been delivered). No-op on
+        a final or already cancelled transfer.
+        """
+        self._request_cancel(self._own(handle), "cancelled")
+
+    def _request_cancel(self, h: TransferHandle, reason: str) -> None:
+        if h.status.finished or h.cancel_reason is not None:
+            return
+        h.cancel_reason = reason
+        self._cancel(h)
+
+    def _advance(self, h: TransferHandle) -> TransferStatus:
+        """One look at the engine: the handle's state now, final only once the engine is done."""
         if h.status.finished:
             return h.status
-        status = self._poll(h)
-        if not status.finished and time.monotonic() > h.deadline:
-            self._abort(h)
-            status = failed(
-                f"transfer {h.id} to {h.peer.agent_name!r} not done after {self.transfer_timeout_s}s"
+        if h.cancel_reason is None and time.monotonic() > h.deadline:
+            # Reporting FAILED now would let the caller reuse memory the engine may still
+            # write; the timeout goes through the same confirmed cancel as cancel().
+            self._request_cancel(
+                h, f"transfer {h.id} to {h.peer.agent_name!r} not done after {self.transfer_timeout_s}s"
             )
+        status = self._poll(h)
+        if not status.finished:
+            return PENDING if h.cancel_reason is None else CANCELLING
+        if h.cancel_reason is not None and status.state is TransferState.FAILED:
+            status = failed(h.cancel_reason)  # why it was stopped says more than the engine's "cancelled"
         h.status = status
         return status
 
@@ -462,17 +518,39 @@ class Backend(abc.ABC):
             pause = min(pause * 2, 2e-3)
 
     def release(self, handle: TransferHandle) -> None:
-        """Free a handle. A still-PENDING transfer is cancelled where the engine allows;
-        its notification may or may not arrive. Idempotent."""
+        """Free a handle; it cannot be polled afterwards. Idempotent; never blocks.
+
+        A final handle's engine request is freed at once. A transfer that is not final is
+        cancelled (its notification may or may not arrive) and its engine request is kept
+        until the engine confirms it stopped: later calls on this backend retry, and
+        :meth:`close` waits for it. Release does not say when the memory is safe to reuse;
+        cancel and poll to a final state for that.
+        """
         if handle.released:
             return
         if self._handles.pop(handle.id, None) is None:
             return
-        if not handle.status.finished:
-            self._abort(handle)
-            handle.status = failed("released while pending")
         handle.released = True
-        self._release(handle)
+        if self._advance(handle).finished:
+            self._release(handle)
+            return
+        self._request_cancel(handle, "released while pending")
+        self._draining[handle.id] = handle
+
+    def _reap(self) -> None:
+        """Free what waited for the engine: released transfers that stopped, then peers
+        none of whose transfers can still run."""
+        for h in list(self._draining.values()):
+            if self._advance(h).finished:
+                del self._draining[h.id]
+                self._release(h)
+        for peer in list(self._removing):
+            if not any(h.peer is peer for h in self._unconfirmed()):
+                self._removing.remove(peer)
+                self._remove_peer(peer)
+
+    def _unconfirmed(self) -> list[TransferHandle]:
+        return [h for h in (*self._handles.values(), *self._draining.values()) if not h.status.finished]
 
     def receive_notifications(self) -> list[Notification]:
         """Notifications that arrived since the last call, oldest first per sender."""
@@ -489,6 +567,18 @@ class Backend(abc.ABC):
                 self.release(h)
             for p in list(self._peers.values()):
                 self.remove_peer(p)
+            # The one place that waits: engine teardown must not pull memory from under a
+            # transfer that is still stopping.
+            end = time.monotonic() + self.close_wait_s
+            pause = 1e-4
+            while (self._draining or self._removing) and time.monotonic() < end:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+                self._reap()
+            # Whatever the engine never confirmed is left to its own teardown: its requests
+            # and its peers' state are not freed here (freeing them could fault a writer).
+            self._draining.clear()
+            self._removing.clear()
         finally:
             self._close()
 
@@ -532,14 +622,18 @@ class Backend(abc.ABC):
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None: ...
 
     @abc.abstractmethod
-    def _poll(self, handle: TransferHandle) -> TransferStatus: ...
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        """The engine's state of a transfer; never blocks. Return DONE or FAILED only when the
+        engine no longer touches either side's memory for it (after :meth:`_cancel` too)."""
 
     @abc.abstractmethod
-    def _abort(self, handle: TransferHandle) -> None:
-        """Best-effort cancel of a pending transfer; must not block for long."""
+    def _cancel(self, handle: TransferHandle) -> None:
+        """Ask the engine to stop a transfer that is not final; must not block. Called at
+        most once per handle; :meth:`_poll` confirms when it stopped."""
 
     @abc.abstractmethod
-    def _release(self, handle: TransferHandle) -> None: ...
+    def _release(self, handle: TransferHandle) -> None:
+        """Free the engine's request of a transfer :meth:`_poll` reported final."""
 
     @abc.abstractmethod
     def _receive_notifications(self) -> list[Notification]: ...

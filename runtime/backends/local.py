@@ -67,9 +67,6 @@ class _PeerMaps:
 
 class LocalBackend(JobTransfers, Backend):
     name = "local"
-    # Wait for the worker to leave a job (a few row copies at most) before anyone unmaps the
-    # peer's memory; queued jobs are skipped when the worker reaches them.
-    abort_wait_s = 10.0
 
     def __init__(self, agent_name: str | None = None, transfer_timeout_s: float = 30.0) -> None:
         super().__init__(agent_name, transfer_timeout_s)

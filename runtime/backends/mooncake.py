@@ -18,8 +18,11 @@ Mapping onto Mooncake
   bytes are carried losslessly by mapping each byte to one code point (latin-1).
 * A dead peer: the write fails fast (connection refused / broken pipe, rc < 0) and the
   transfer is FAILED. A hung peer blocks the worker inside the engine until Mooncake's
-  own timeout (``MC_TRANSFER_TIMEOUT``); the transfer is reported FAILED at pdwire's
-  ``transfer_timeout_s`` regardless, and later jobs wait behind it.
+  own timeout (``MC_TRANSFER_TIMEOUT``): at pdwire's ``transfer_timeout_s`` the transfer
+  is cancelled, but Mooncake cannot stop a chunk in flight, so it is reported FAILED only
+  once that chunk returned (later jobs wait behind it).
+* Cancelling raises the job's flag and returns: a queued job is skipped, a running one
+  stops before its next chunk.
 """
 
 from __future__ import annotations
@@ -59,8 +62,6 @@ def _from_msg(msg: str) -> bytes:
 
 class MooncakeBackend(JobTransfers, Backend):
     name = "mooncake"
-    # A chunk in flight cannot be cancelled inside Mooncake; do not wait for it long.
-    abort_wait_s = 0.5
 
     def __init__(
         self,

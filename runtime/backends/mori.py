@@ -8,7 +8,10 @@ moves rows given as offsets relative to each descriptor's base. The adapter turn
 DescriptorTable into that shape with ``src_region`` / ``dst_region``: rows are grouped by
 (src region, dst region), offsets are ``addr - desc.data``, each group (cut into chunks
 of at most ``max_rows``) gets its own transfer uid, and the transfer is DONE when every
-returned status ``Succeeded()``; any ``Failed()`` makes it FAILED with MoRI's message.
+returned status ``Succeeded()``; any ``Failed()`` makes it FAILED with MoRI's message, once
+no status of the transfer is still in progress. MoRI cannot cancel a posted write: a
+cancelled transfer is reported FAILED once every status left ``InProgress()`` (its bytes
+may have landed; its notification is not sent).
 
 MoRI has no completion notification (SGLang sends its own status over ZMQ), so the
 adapter delivers the notification itself after every status succeeded, through a
@@ -62,6 +65,7 @@ class _Xfer:
     statuses: list[Any]
     notification: bytes
     status: TransferStatus = field(default=PENDING)
+    cancelled: bool = False
 
 
 class MoriBackend(Backend):
@@ -127,6 +131,10 @@ class MoriBackend(Backend):
         return Peer(md.agent_name, md.regions, md.pid, _Remote(edesc, mdescs, str(md.extra.get("inbox", ""))))
 
     def _remove_peer(self, peer: Peer) -> None:
+        if peer.agent_name in self._peers:
+            # Replaced by a newer peer of the same name while its transfers were stopping:
+            # MoRI keys remote engines by name, so the entry is the newer peer's now.
+            return
         rem: _Remote = peer.engine
         self._engine.deregister_remote_engine(rem.engine_desc)
 
@@ -164,12 +172,17 @@ class MoriBackend(Backend):
         x: _Xfer = handle.engine
         if x.status.finished:
             return x.status
-        for st in x.statuses:
-            if st.Failed():
-                x.status = failed(f"MoRI status {st.Code()!r}: {st.Message()}")
-                return x.status
+        # Even after a failure, other writes of the transfer may still be landing: final only
+        # once none is in progress.
         if any(st.InProgress() for st in x.statuses):
             return PENDING
+        bad = next((st for st in x.statuses if st.Failed()), None)
+        if bad is not None:
+            x.status = failed(f"MoRI status {bad.Code()!r}: {bad.Message()}")
+            return x.status
+        if x.cancelled:
+            x.status = failed("cancelled")  # every byte landed, but the peer is not told
+            return x.status
         peer = handle.peer
         rem: _Remote = peer.engine
         if not pid_alive(peer.pid):
@@ -183,15 +196,9 @@ class MoriBackend(Backend):
         x.status = DONE
         return DONE
 
-    def _abort(self, handle: TransferHandle) -> None:
-        x: _Xfer | None = handle.engine
-        if x is None:
-            return
-        # MoRI cannot cancel a posted write: wait briefly so peer memory is not dropped under it.
-        for st in x.statuses:
-            st.Wait(1.0)
-        if not x.status.finished:
-            x.status = failed("cancelled")
+    def _cancel(self, handle: TransferHandle) -> None:
+        x: _Xfer = handle.engine
+        x.cancelled = True  # MoRI cannot stop a posted write: _poll waits until none is in progress
 
     def _release(self, handle: TransferHandle) -> None:
         handle.engine = None

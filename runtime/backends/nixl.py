@@ -12,8 +12,15 @@ Mapping onto NIXL
   whole table is one batch the notification rides on that WRITE (NIXL delivers it after
   the data). Otherwise the batches go without one and, once every batch reports DONE
   (remote completion under UCX), ``send_notif`` delivers it: still after all bytes.
-* ``poll`` -> ``check_xfer_state``; "ERR" is FAILED. ``release`` releases the NIXL
-  request handles (NIXL cancels active ones).
+* Every batch's request is created before the first is started, so a refused ``post``
+  has moved nothing. ``poll`` -> ``check_xfer_state``; "ERR" of any batch stops the
+  others, and the transfer is FAILED once none is still active.
+* ``cancel`` does not release active requests: NIXL 1.5.1 accepts ``release()`` of an
+  active request (UCX thread-pool engine) while its bytes and its notification still land
+  afterwards, so a successful release confirms nothing. A cancelled transfer sends no
+  ``send_notif``; its requests are polled with ``check_xfer_state`` until each is DONE or
+  ERR, and only then is the transfer final (FAILED, or DONE if its notification rode on
+  a WRITE that completed) and its requests released.
 * Repeated grids: :meth:`NixlBackend.post_prepped` takes a table whose every row is one
   fixed-size slot of a region (e.g. a KV page grid); it builds both sides' prepped dlists
   once per (peer, region pair, slot size) with ``prep_xfer_dlist`` and then posts with
@@ -144,13 +151,30 @@ class _RegionInfo:
         return cls(regions, n, vram, dev, bool(vram.any()), bool(dev.any()))
 
 
+# What this backend knows of one NIXL request (one batch of a transfer).
+_NEW = "NEW"  # created, not started
+_PROC = "PROC"  # started and not seen to end: NIXL may be moving its bytes
+_DONE = "DONE"
+_ERR = "ERR"
+_GONE = "GONE"  # never started (a batch before it was refused): released at once
+
+
 @dataclass
 class _Xfer:
     reqs: list[Any]  # nixl_xfer_handle per batch
-    done: list[bool]
     notification: bytes
     notify_after: bool  # send_notif once every batch is DONE
+    states: list[str] = field(default_factory=list)
+    error: str = ""  # the first engine failure; reported once no request is active
+    stopping: bool = False  # cancelled: no send_notif any more
     status: TransferStatus = field(default=PENDING)
+
+    def __post_init__(self) -> None:
+        self.states = [_NEW] * len(self.reqs)
+
+    @property
+    def active(self) -> bool:
+        return _PROC in self.states
 
 
 class NixlBackend(Backend):
@@ -187,7 +211,9 @@ class NixlBackend(Backend):
         self._agent.create_backend("UCX", {**DEFAULT_UCX_PARAMS, **(ucx_params or {})})
         self._reg_descs: list[Any] = []
         self._buffers: list[HostBuffer] = []
-        self._prepped: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
+        # (peer, src region, dst region, slot size) -> prepped dlists; keyed by the Peer object,
+        # not its name, so a peer replaced under the same name never reuses stale dlists
+        self._prepped: dict[tuple[Peer, int, int, int], tuple[Any, Any]] = {}
         self._orphans: list[Any] = []  # request handles NIXL could not release yet
         self._local_cols: _RegionInfo | None = None
 
@@ -229,9 +255,13 @@ class NixlBackend(Backend):
         return Peer(md.agent_name, md.regions, md.pid)
 
     def _remove_peer(self, peer: Peer) -> None:
-        for key in [k for k in self._prepped if k[0] == peer.agent_name]:
+        for key in [k for k in self._prepped if k[0] is peer]:
             for h in self._prepped.pop(key):
                 self._safe_release(h)
+        if peer.agent_name in self._peers:
+            # Replaced by a newer peer of the same name while its transfers were stopping:
+            # NIXL's entry for the name is the newer peer's now.
+            return
         # A dead peer may already be disconnected; the name is forgotten either way.
         with contextlib.suppress(Exception):
             self._agent.remove_remote_agent(peer.agent_name)
@@ -286,29 +316,37 @@ class NixlBackend(Backend):
             s3, d3 = (src3, dst3) if rows is None else (src3[rows], dst3[rows])
             plan.extend((sk, dk, s3[a:b], d3[a:b]) for a, b in batches(len(s3), self.max_descs))
         single = len(plan) == 1
-        x = _Xfer([], [], notification, notify_after=not single)
-        handle.engine = x
-        for sk, dk, s3, d3 in plan:
-            try:
+        reqs: list[Any] = []
+        try:
+            for sk, dk, s3, d3 in plan:
                 src = self._agent.get_xfer_descs(s3, sk)
                 dst = self._agent.get_xfer_descs(d3, dk)
-                req = self._agent.initialize_xfer(
-                    "WRITE", src, dst, peer.agent_name, notification if single else b""
-                )
-            except Exception as exc:
-                self._abort(handle)
-                raise TransferError(f"NIXL could not create a WRITE to {peer.agent_name!r}: {exc}") from None
-            self._start(x, req)
-
-    def _start(self, x: _Xfer, req: Any) -> None:
-        x.reqs.append(req)
-        try:
-            state = self._agent.transfer(req)
+                note = notification if single else b""
+                reqs.append(self._agent.initialize_xfer("WRITE", src, dst, peer.agent_name, note))
         except Exception as exc:
-            state, x.status = "ERR", failed(f"NIXL transfer() raised: {exc}")
-        x.done.append(state == "DONE")
-        if state == "ERR" and not x.status.finished:
-            x.status = failed("NIXL transfer() returned ERR")
+            for req in reqs:  # none was started: nothing moved
+                self._safe_release(req)
+            raise TransferError(f"NIXL could not create a WRITE to {peer.agent_name!r}: {exc}") from None
+        handle.engine = x = _Xfer(reqs, notification, notify_after=not single)
+        self._start(x, peer.agent_name)
+
+    def _start(self, x: _Xfer, peer_name: str) -> None:
+        """Start every request; after the first refusal the rest are not started (the
+        transfer is FAILED once the started ones ended)."""
+        for i, req in enumerate(x.reqs):
+            if x.error:
+                x.states[i] = _GONE
+                self._safe_release(req)
+                continue
+            try:
+                state = self._agent.transfer(req)
+            except Exception as exc:
+                state = f"ERR (transfer() raised: {exc})"
+            if state.startswith(_ERR):
+                x.states[i] = _ERR
+                x.error = f"NIXL transfer() returned {state} for a WRITE to {peer_name!r}"
+            else:
+                x.states[i] = _DONE if state == _DONE else _PROC
 
     def post_prepped(
         self, peer: Peer, table: DescriptorTable, notification: bytes, slot_bytes: int
@@ -333,22 +371,21 @@ class NixlBackend(Backend):
         d_off = table.dst_addr - np.uint64(dr.base)
         if (s_off % np.uint64(slot_bytes)).any() or (d_off % np.uint64(slot_bytes)).any():
             raise DescriptorError(f"post_prepped: rows are not aligned to {slot_bytes}-byte slots")
-        key = (peer.agent_name, sreg, dreg, slot_bytes)
+        key = (peer, sreg, dreg, slot_bytes)
         if key not in self._prepped:
             self._prepped[key] = (
                 self._prep(sr, slot_bytes, "NIXL_INIT_AGENT"),
                 self._prep(dr, slot_bytes, peer.agent_name),
             )
         lh, rh = self._prepped[key]
-        x = _Xfer([], [], notification, notify_after=False)
-        h.engine = x
         s_idx = (s_off // np.uint64(slot_bytes)).astype(np.int32)
         d_idx = (d_off // np.uint64(slot_bytes)).astype(np.int32)
         try:
             req = self._agent.make_prepped_xfer("WRITE", lh, s_idx, rh, d_idx, bytes(notification))
         except Exception as exc:
             raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
-        self._start(x, req)
+        h.engine = x = _Xfer([req], notification, notify_after=False)
+        self._start(x, peer.agent_name)
         self._handles[h.id] = h
         return h
 
@@ -365,45 +402,50 @@ class NixlBackend(Backend):
         if x.status.finished:
             return x.status
         for i, req in enumerate(x.reqs):
-            if x.done[i]:
+            if x.states[i] != _PROC:
                 continue
             try:
                 state = self._agent.check_xfer_state(req)
             except Exception as exc:
                 state = f"ERR ({exc})"
-            if state.startswith("ERR"):
-                x.status = failed(f"NIXL reported {state} for a WRITE to {handle.peer.agent_name!r}")
-                return x.status
-            x.done[i] = state == "DONE"
-        if not all(x.done):
-            return PENDING
-        if x.notify_after:
+            if state.startswith(_ERR):
+                x.states[i] = _ERR
+                x.error = x.error or f"NIXL reported {state} for a WRITE to {handle.peer.agent_name!r}"
+            elif state == _DONE:
+                x.states[i] = _DONE
+        if x.active:
+            return PENDING  # after an error or a cancel too: final only once no batch is active
+        if x.error:
+            x.status = failed(x.error)
+        elif x.notify_after and x.stopping:
+            x.status = failed("cancelled")  # every batch landed, but the peer is not told
+        elif x.notify_after:
             try:
                 self._agent.send_notif(handle.peer.agent_name, x.notification)
+                x.status = DONE
             except Exception as exc:
                 x.status = failed(f"NIXL send_notif to {handle.peer.agent_name!r} failed: {exc}")
-                return x.status
-        x.status = DONE
-        return DONE
+        else:
+            x.status = DONE  # the notification rode on the WRITE, which completed
+        return x.status
 
     def _safe_release(self, h: Any) -> None:
         try:
             h.release()
         except Exception:
-            self._orphans.append(h)  # still active and not cancellable: retry at close
+            self._orphans.append(h)  # NIXL would not free it: retry at close
 
-    def _abort(self, handle: TransferHandle) -> None:
-        x: _Xfer | None = handle.engine
-        if x is None:
-            return
-        for req in x.reqs:
-            self._safe_release(req)
-        x.reqs, x.done = [], []
-        if not x.status.finished:
-            x.status = failed("cancelled")
+    def _cancel(self, handle: TransferHandle) -> None:
+        # Nothing more is sent for this transfer; its active requests are waited out, not
+        # released (see the module notes: a released active request keeps writing).
+        x: _Xfer = handle.engine
+        x.stopping = True
 
     def _release(self, handle: TransferHandle) -> None:
-        self._abort(handle)
+        x: _Xfer = handle.engine
+        for req, state in zip(x.reqs, x.states, strict=True):
+            if state != _GONE:
+                self._safe_release(req)
         handle.engine = None
 
     def _receive_notifications(self) -> list[Notification]:

@@ -3,7 +3,9 @@
 Used by engines whose calls block (Mooncake's sync batch writes, the local memmove loop):
 the owner thread posts a job and polls its status, so ``post`` and ``poll`` never block.
 A job function must check ``job.cancel`` between bounded steps and must not raise
-(anything it raises is turned into FAILED so the thread never dies).
+(anything it raises is turned into FAILED so the thread never dies). A job's status is
+published only when the worker has left it, which is what makes a final state the
+engine's confirmation that the job no longer touches memory.
 """
 
 from __future__ import annotations
@@ -25,11 +27,6 @@ class Job:
 
     def poll(self) -> TransferStatus:
         return self.status if self.finished.is_set() else PENDING
-
-    def abort(self, wait_s: float) -> None:
-        """Ask the job to stop and wait up to ``wait_s`` for the worker to leave it."""
-        self.cancel = True
-        self.finished.wait(timeout=wait_s)
 
 
 class JobWorker:
@@ -60,23 +57,22 @@ class JobWorker:
 
 
 class JobTransfers:
-    """The poll/abort/release hooks of a backend whose transfers run as :class:`Job` s.
+    """The poll/cancel/release hooks of a backend whose transfers run as :class:`Job` s.
 
     Mix in before :class:`~pdwire.runtime.backends.base.Backend`; ``_post`` stores the
-    submitted job in ``handle.engine``. ``abort_wait_s`` bounds how long an abort waits for
-    the worker to leave the job (it must leave before peer memory may be unmapped).
+    submitted job in ``handle.engine``. Cancelling only raises the job's flag: a queued job
+    is skipped, a running one stops at its next check (a Mooncake chunk in flight runs to
+    its end first), and the job reports final once the worker left it.
     """
-
-    abort_wait_s: float = 10.0
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
         job: Job = handle.engine
         return job.poll()
 
-    def _abort(self, handle: TransferHandle) -> None:
+    def _cancel(self, handle: TransferHandle) -> None:
         job: Job | None = handle.engine
         if job is not None:
-            job.abort(wait_s=self.abort_wait_s)
+            job.cancel = True
 
     def _release(self, handle: TransferHandle) -> None:
         handle.engine = None

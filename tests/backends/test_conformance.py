@@ -33,10 +33,13 @@ from pdwire.runtime.backends import (
     PeerError,
     PeerMetadata,
     RegistrationError,
+    TransferError,
     TransferState,
+    TransferStatus,
     create_backend,
     shm,
 )
+from pdwire.runtime.backends.base import CANCELLING, DONE
 from pdwire.runtime.backends.registry import known_backends
 from pdwire.runtime.descriptors import DescriptorTable
 
@@ -366,3 +369,184 @@ def test_segments_of_a_killed_process_are_reaped(name: str, spawn: Any, backends
     tgt.kill()
     backends(name)  # a new same-host backend reaps entries of dead processes
     assert shm.leftover_paths(tgt.pid) == []
+
+
+# --------------------------------------------------------------------------- confirmed cancellation
+
+# Backends whose cancel skips a transfer the engine has not started (worker-thread jobs).
+# MoRI cannot cancel a posted write and NIXL may refuse to: their transfers may still land.
+SKIPS_QUEUED = {"local", "mooncake"}
+WATCHDOG_S = 30.0  # opens a held engine if a test never does, so a broken backend fails, not hangs
+
+
+class _HeldRequest:
+    def __init__(self, req: Any) -> None:
+        self.req = req
+
+    def release(self) -> None:
+        self.req.release()
+
+
+class _HeldAgent:
+    """A NIXL agent whose requests report PROC while the gate is closed."""
+
+    def __init__(self, agent: Any, gate: threading.Event) -> None:
+        self._agent, self._gate = agent, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def initialize_xfer(self, *args: Any) -> _HeldRequest:
+        return _HeldRequest(self._agent.initialize_xfer(*args))
+
+    def transfer(self, req: _HeldRequest, *args: Any) -> str:
+        return self._held(self._agent.transfer(req.req, *args))
+
+    def check_xfer_state(self, req: _HeldRequest) -> str:
+        return self._held(self._agent.check_xfer_state(req.req))
+
+    def _held(self, state: str) -> str:
+        return state if self._gate.is_set() or state == "ERR" else "PROC"
+
+
+@contextlib.contextmanager
+def held(name: str, b: Any) -> Iterator[threading.Event]:
+    """Hold ``b``'s engine: a transfer posted inside can neither finish nor confirm a cancel
+    until the yielded gate is set (at the latest when the block ends).
+
+    Worker-thread engines (local, mooncake, the MoRI fake's IO engine) get a job that waits on
+    the gate, so transfers queue behind it on their one worker thread. NIXL has no such thread:
+    its agent is wrapped so that requests report PROC while the gate is closed, as a slow
+    transfer does. A new backend adds its own way of holding its engine here.
+    """
+    gate = threading.Event()
+    watchdog = threading.Timer(WATCHDOG_S, gate.set)
+    watchdog.start()
+    if name == "nixl":
+        b._agent = _HeldAgent(b._agent, gate)  # stays: requests made inside are wrapped
+    else:
+        worker = b._engine._worker if name == "mori-fake" else b._worker
+        worker.submit(lambda job: (gate.wait(), DONE)[1])
+    try:
+        yield gate
+    finally:
+        gate.set()
+        watchdog.cancel()
+
+
+def pair(name: str, backends: Any, size: int, **kw: Any) -> tuple[Backend, Backend, Any, Any, Any]:
+    """Initiator ``a`` (random source) and an in-process target ``b`` whose zeroed buffer it can write."""
+    a, b = backends(name, agent_name=f"{name}-a", **kw), backends(name, agent_name=f"{name}-b")
+    src = source(a, size, seed=13)
+    dst = b.allocate("dst", size)
+    b.register([dst.region()])
+    return a, b, src, dst, a.add_peer(b.local_metadata())
+
+
+def assert_quiet_after(final: TransferStatus, dst: Any, src: Any, b: Backend) -> None:
+    """A final state means the engine is done with the memory: nothing lands afterwards."""
+    assert final.finished
+    probe = dst.array[::4096].copy()  # one byte a page, taken in microseconds: before any straggler
+    snapshot = dst.array.copy()
+    time.sleep(0.5)  # room for a straggling write to show itself
+    assert np.array_equal(dst.array[::4096], probe), "bytes landed after poll() reported a final state"
+    assert np.array_equal(dst.array, snapshot), "bytes landed after poll() reported a final state"
+    if final.state is TransferState.DONE:
+        assert np.array_equal(dst.array, src.array[: dst.nbytes])
+    else:
+        assert b.receive_notifications() == [], "a FAILED transfer delivered its notification"
+
+
+@pytest.mark.parametrize("name", params())
+def test_cancel_returns_at_once_and_poll_is_pending_until_the_engine_confirms(
+    name: str, backends: Any
+) -> None:
+    size = 4 * MiB
+    a, b, src, dst, peer = pair(name, backends, size)
+    with held(name, a) as gate:
+        h = a.post(peer, mib_table(src.address, dst.address, size), b"held")
+        a.cancel(h)
+        assert not gate.is_set(), "cancel() waited for the engine"
+        assert a.poll(h) == CANCELLING  # the engine cannot have confirmed: it is held
+        a.cancel(h)  # idempotent
+        assert a.poll(h) == CANCELLING
+        gate.set()
+        final = a.wait(h, 30)
+    assert final.state is TransferState.FAILED or (name == "nixl" and final.state is TransferState.DONE)
+    if final.state is TransferState.FAILED:
+        assert final.reason == "cancelled"
+    if name in SKIPS_QUEUED:
+        assert not dst.array.any(), "a transfer cancelled before it started moved bytes"
+    assert_quiet_after(final, dst, src, b)
+    assert a.poll(h) == final  # final states never change
+    a.release(h)
+
+
+@pytest.mark.parametrize("name", params())
+def test_a_transfer_cancelled_mid_way_writes_nothing_after_its_final_state(name: str, backends: Any) -> None:
+    # Many rows (engines check for a cancel between rows or batches), big enough that a tail
+    # written after a premature final state would outlast the snapshot below.
+    size, page = 64 * MiB, 64 * 1024
+    a, b, src, dst, peer = pair(name, backends, size)
+    rows = size // page
+    t = table([src.address + i * page for i in range(rows)], [dst.address + i * page for i in range(rows)],
+              [page] * rows)  # fmt: skip
+    h = a.post(peer, t, b"big")
+    end = time.monotonic() + 30
+    while not dst.array[:page].any() and not a.poll(h).finished and time.monotonic() < end:
+        pass  # cancel once the first bytes landed: the engine is (likely) inside the transfer
+    a.cancel(h)
+    final = a.wait(h, 60)
+    assert_quiet_after(final, dst, src, b)
+    a.release(h)
+
+
+@pytest.mark.parametrize("name", params())
+def test_a_timed_out_transfer_is_cancelled_and_failed_only_once_confirmed(name: str, backends: Any) -> None:
+    size = 4 * MiB
+    a, b, src, dst, peer = pair(name, backends, size, transfer_timeout_s=0.2)
+    with held(name, a) as gate:
+        h = a.post(peer, mib_table(src.address, dst.address, size), b"late")
+        time.sleep(0.3)  # past its deadline
+        assert a.poll(h) == CANCELLING  # not FAILED while the engine may still write
+        assert not gate.is_set(), "poll() waited for the engine"
+        assert a.poll(h) == CANCELLING
+        gate.set()
+        final = a.wait(h, 30)
+    if final.state is TransferState.FAILED:
+        assert "not done after 0.2s" in final.reason, final
+    else:
+        assert name == "nixl", f"{name}: a transfer held past its deadline reported {final}"
+    if name in SKIPS_QUEUED:
+        assert not dst.array.any()
+    assert_quiet_after(final, dst, src, b)
+
+
+@pytest.mark.parametrize("name", params())
+def test_releasing_or_removing_the_peer_of_a_running_transfer_never_blocks(name: str, backends: Any) -> None:
+    size = 4 * MiB
+    a, b, src, dst, peer = pair(name, backends, size)
+    with held(name, a) as gate:
+        released = a.post(peer, mib_table(src.address, dst.address, size), b"released")
+        removed = a.post(peer, mib_table(src.address, dst.address, size), b"removed")
+        a.release(released)
+        assert released.released and not gate.is_set(), "release() waited for the engine"
+        with pytest.raises(TransferError):
+            a.poll(released)
+        a.remove_peer(peer)
+        assert not gate.is_set(), "remove_peer() waited for the engine"
+        assert a.poll(removed) == CANCELLING
+        gate.set()
+        final = a.wait(removed, 30)
+    if final.state is TransferState.FAILED:
+        assert "was removed" in final.reason, final
+    if name in SKIPS_QUEUED:
+        assert not dst.array.any()
+    assert_quiet_after(final, dst, src, b)
+    a.release(removed)
+    # The released transfer's engine request is freed once confirmed (at the latest at close),
+    # and the backend keeps serving new peers meanwhile.
+    peer2 = a.add_peer(b.local_metadata())
+    h = a.post(peer2, mib_table(src.address, dst.address, size), b"again")
+    assert a.wait(h, 30).state is TransferState.DONE
+    assert not a._draining, "a confirmed, released transfer was never freed"
