@@ -316,11 +316,14 @@ def _split_layers(ci: int, wc: wire.StateComponent, nt: int) -> int:
     n = len(wc.base_addrs)
     if n == 0 or n % nt:
         raise HandshakeError(f"state component {ci}: {n} tensor entries do not split into {nt} tensors")
-    for name in ("region_lens", "bytes_per_slot"):
-        if len(getattr(wc, name)) != n:
+    # every per-entry list lines up with base_addrs (the optional ones may be empty); a short
+    # list would otherwise surface as an IndexError deep in the component builders
+    for name, optional in (("region_lens", False), ("bytes_per_slot", False), ("shard_axis_sizes", True),
+                           ("sub_blocks", True)):  # fmt: skip
+        got = len(getattr(wc, name))
+        if got != n and not (optional and got == 0):
             raise HandshakeError(
-                f"RegisterInfo.state_components[{ci}].{name}: {len(getattr(wc, name))} entries "
-                f"for {n} base addresses"
+                f"RegisterInfo.state_components[{ci}].{name}: {got} entries for {n} base addresses"
             )
     return n // nt
 
@@ -422,16 +425,7 @@ def _described_component(
             h.kv_heads_total,
             h.bytes_per_head,
         )
-    n = len(wc.base_addrs)
-    shard = _ints(wc.shard_axis_sizes) or (0,) * n
-    if len(shard) != n:
-        raise RegistrationMismatch(
-            where, "", "shard_axis_sizes", f"{len(shard)} entries for {n} base addresses"
-        )
-    if wc.sub_blocks and len(wc.sub_blocks) != n:
-        raise RegistrationMismatch(
-            where, "", "sub_blocks", f"{len(wc.sub_blocks)} entries for {n} base addresses"
-        )
+    shard = _ints(wc.shard_axis_sizes) or (0,) * len(wc.base_addrs)  # lengths checked by _split_layers
     tensors = []
     for ti, name in enumerate(names):
         full = shard[ti * layers]
@@ -557,6 +551,9 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
             f"RegisterInfo.aux_base_addrs: peer has {len(info.aux_base_addrs)} aux buffers, "
             f"this side {len(names)}"
         )
+    for field, values in (("aux_lens", aux_lens), ("aux_item_lens", items)):
+        if len(values) != len(names):
+            raise HandshakeError(f"RegisterInfo.{field}: {len(values)} entries for {len(names)} aux buffers")
     aux = tuple(
         AuxBuffer(names[i], int(info.aux_base_addrs[i]), aux_lens[i], items[i]) for i in range(len(names))
     )

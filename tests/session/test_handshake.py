@@ -236,3 +236,35 @@ def test_failures_travel_typed_from_1_2_and_as_a_reason_prefix_before(kind: Fail
         assert isinstance(got, wire.TransferStatus)
         assert failure_from_wire(got.failure_kind, got.reason) == f
     assert failure_to_wire(f, None) == (wire.FailureKind.UNSPECIFIED, f.reason)  # version not agreed yet
+
+
+@pytest.mark.parametrize("field", ["aux_lens", "aux_item_lens"])
+@pytest.mark.parametrize("count", [0, 2])
+def test_aux_lists_that_do_not_line_up_with_the_buffers_are_refused_by_field(field: str, count: int) -> None:
+    import msgspec
+
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    info = _register(dec.memory)
+    assert len(info.aux_base_addrs) == 1  # the demo model's aux buffer
+    bad = msgspec.structs.replace(info, **{field: np.full(count, 64, dtype=np.uint64)})
+    with pytest.raises(HandshakeError, match=rf"RegisterInfo\.{field}: {count} entries for 1 aux buffers"):
+        remote_memory(roundtrip(bad, wire.NEWEST), pre.memory)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("version", [(1, 2), (1, 1)], ids=["1.2-self-described", "1.1-borrowed"])
+@pytest.mark.parametrize("field", ["region_lens", "bytes_per_slot", "shard_axis_sizes", "sub_blocks"])
+def test_per_entry_state_lists_that_do_not_line_up_are_refused_by_field(
+    field: str, version: tuple[int, int]
+) -> None:
+    pre, _a = caches(SMALL, 2, 0)
+    dec, _b = caches(SMALL, 2, 1)
+    info = _register(dec.memory, version)
+    mamba = info.state_components[0]
+    n = len(mamba.base_addrs)
+    short = list(getattr(mamba, field))[:1]  # one entry for several tensors x layers
+    value = short if field == "sub_blocks" else np.asarray(short, dtype=np.uint64)
+    with pytest.raises(
+        HandshakeError, match=rf"state_components\[0\]\.{field}: 1 entries for {n} base addresses"
+    ):
+        remote_memory(replace_struct(info, 0, **{field: value}), pre.memory)
