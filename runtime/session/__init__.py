@@ -8,6 +8,7 @@ manner of h11; sockets, engines and clocks live only in the driver modules.
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
+    CancelTransfers,
     KvPart,
     Part,
     PeerRef,
@@ -39,6 +40,7 @@ from pdwire.runtime.session.status import RoomStatus, merge_status
 __all__ = [
     "Action",
     "AuxPart",
+    "CancelTransfers",
     "DecodeRoom",
     "DecodeSession",
     "DuplicateRoomError",

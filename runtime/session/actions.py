@@ -63,6 +63,18 @@ class PostTransfer:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelTransfers:
+    """Ask the engine to stop these transfers of a failed room, and keep polling them.
+
+    The room ends only once each of them was reported done or failed, i.e. once the engine
+    confirmed it no longer touches either side's memory.
+    """
+
+    room: int
+    xfer_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SendStatus:
     peer: PeerRef
     room: int
@@ -85,16 +97,16 @@ class SendAbortAck:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRoom:
-    """The room is over: free its buffers and drop the engine handles in ``xfer_ids``.
+    """The room is over, with its final status; emitted exactly once per room.
 
-    Emitted exactly once per room, with the final status; ``xfer_ids`` are transfers still
-    in flight whose handles the driver must release (their completions are ignored later).
+    On a prefill rank nothing of the room is in flight any more: its source buffers may be
+    freed. On a decode rank it tells the engine the outcome; the destination slots are the
+    engine's again only with :class:`ReleaseSlots`.
     """
 
     room: int
     status: RoomStatus
     failure: Failure | None
-    xfer_ids: tuple[int, ...] = ()
 
 
-Action = PostTransfer | SendStatus | SendAbort | SendAbortAck | ReleaseRoom
+Action = PostTransfer | CancelTransfers | SendStatus | SendAbort | SendAbortAck | ReleaseRoom

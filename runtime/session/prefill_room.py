@@ -2,15 +2,21 @@
 
 Bootstrapping (collecting ``required_dst_info_num`` transfer requests) -> WaitingForInput
 (all requests in, waiting for chunked prefill to produce pages) -> Transferring (posts in
-flight) -> Success | Failed.
+flight) -> Success | Failed (draining while transfers stop) -> ended.
 
 Chunks the engine produces before every request has arrived are remembered and posted as
 soon as the last request comes in. Every non-dummy target gets every KV chunk, in order;
 after its last KV chunk it gets each of its state components and then its aux part (aux
 is posted on the last chunk even for dense models: decode's accounting needs it). The room
 succeeds when every request arrived, the engine produced its last chunk and every posted
-transfer completed. Any failure fails the whole room: every target that sent a request is
-told, in-flight handles are handed back for release, and nothing is posted afterwards.
+transfer completed. Any failure fails the whole room and nothing is posted afterwards.
+
+A failed room is *fenced*: while any transfer it posted may still write into a target's
+slots, the room drains: it asks for those transfers to be cancelled and answers nobody.
+Only once every one of them was reported done or failed (the engine confirmed it stopped)
+does it tell every target that sent a request (except the one that failed it), acknowledge
+every Abort it received meanwhile, and release. So a Failed status or an AbortAck from a
+prefill rank means: nothing of this room is in flight here any more.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
+    CancelTransfers,
     KvPart,
     Part,
     PeerRef,
@@ -63,6 +70,8 @@ class PrefillRoom:
         self.chunks: list[Chunk] = []
         self.outstanding: dict[int, tuple[PeerRef, Part]] = {}
         self._next_xfer_id = next_xfer_id
+        self._not_told: set[PeerRef] = set()  # gets no Failed status: it failed the room, or is gone
+        self._acks_owed: list[PeerRef] = []  # Aborts answered once the room stopped draining
 
     # -- queries ---------------------------------------------------------------------
 
@@ -77,6 +86,11 @@ class PrefillRoom:
     @property
     def finished(self) -> bool:
         return self.status.terminal
+
+    @property
+    def draining(self) -> bool:
+        """Failed, with transfers the engine has not confirmed stopped yet."""
+        return self.status is RoomStatus.FAILED and bool(self.outstanding)
 
     # -- events ----------------------------------------------------------------------
 
@@ -122,27 +136,41 @@ class PrefillRoom:
         return self._post_chunk(chunk) + self._maybe_succeed()
 
     def on_xfer_done(self, xfer_id: int) -> list[Action]:
-        if self.outstanding.pop(xfer_id, None) is None or self.finished:
-            return []
-        return self._maybe_succeed()
+        """A posted transfer completed (the engine is done with it)."""
+        return self._xfer_ended(xfer_id, None)
 
     def on_xfer_failed(self, xfer_id: int, detail: str) -> list[Action]:
-        entry = self.outstanding.pop(xfer_id, None)
-        if entry is None or self.finished:
-            return []
-        peer, part = entry
-        return self._fail(Failure(FailureKind.ENGINE_ERROR, f"{type(part).__name__} to {peer}: {detail}"))
+        """A posted transfer failed or was cancelled, and the engine confirmed it stopped."""
+        return self._xfer_ended(
+            xfer_id,
+            lambda peer, part: Failure(
+                FailureKind.ENGINE_ERROR, f"{type(part).__name__} to {peer}: {detail}"
+            ),
+        )
+
+    def on_not_posted(self, xfer_id: int, failure: Failure) -> list[Action]:
+        """The edge did not post a part it was asked to (planning failed, the engine refused,
+        the peer is not connected, or the room failed meanwhile): nothing of it is in flight."""
+        return self._xfer_ended(xfer_id, lambda _peer, _part: failure)
 
     def on_abort(self, peer: PeerRef) -> list[Action]:
-        acts: list[Action] = [SendAbortAck(peer, self.room)]
-        if self.finished or peer not in self.targets:
+        if peer not in self.targets or (self.finished and not self.draining):
             # Only a requester may abort the room: another engine that reused the room id
-            # (and was refused as a duplicate) aborts *its* attempt, not this one.
-            return acts
-        return acts + self._fail(Failure(FailureKind.ABORTED, f"aborted by {peer}"), skip=peer)
+            # (and was refused as a duplicate) aborts *its* attempt, not this one. Nothing of
+            # the room is in flight for that peer, so the answer needs no wait.
+            return [SendAbortAck(peer, self.room)]
+        if self.draining:
+            self._acks_owed.append(peer)  # "nothing in flight" is true only after the drain
+            return []
+        return self._fail(Failure(FailureKind.ABORTED, f"aborted by {peer}"), skip=peer, ack=peer)
 
     def on_peer_lost(self, peer: PeerRef) -> list[Action]:
-        if self.finished or peer not in self.targets:
+        if peer not in self.targets or (self.finished and not self.draining):
+            return []
+        if self.draining:
+            # whoever answers on that peer's name later is someone else: tell it nothing
+            self._not_told.add(peer)
+            self._acks_owed = [p for p in self._acks_owed if p != peer]
             return []
         return self._fail(Failure(FailureKind.PEER_GONE, f"{peer} went away"), skip=peer)
 
@@ -195,13 +223,41 @@ class PrefillRoom:
         actions.append(ReleaseRoom(self.room, RoomStatus.SUCCESS, None))
         return actions
 
-    def _fail(self, failure: Failure, skip: PeerRef | None = None) -> list[Action]:
+    def _xfer_ended(self, xfer_id: int, failure: Callable[[PeerRef, Part], Failure] | None) -> list[Action]:
+        """One posted part is no longer in flight: completed (``failure`` None) or not."""
+        entry = self.outstanding.pop(xfer_id, None)
+        if entry is None:
+            return []
+        if self.finished:
+            return [] if self.outstanding else self._end_failed()  # draining: maybe the last one
+        if failure is None:
+            return self._maybe_succeed()
+        return self._fail(failure(*entry))
+
+    def _fail(
+        self, failure: Failure, skip: PeerRef | None = None, ack: PeerRef | None = None
+    ) -> list[Action]:
         self.status = RoomStatus.FAILED
         self.failure = failure
-        in_flight = tuple(self.outstanding)
-        self.outstanding.clear()
+        if skip is not None:
+            self._not_told.add(skip)
+        if ack is not None:
+            self._acks_owed.append(ack)
+        if self.outstanding:
+            # The engine may still be writing into the targets' slots: answer nobody until
+            # every posted transfer is confirmed stopped (see the module notes).
+            return [CancelTransfers(self.room, tuple(self.outstanding))]
+        return self._end_failed()
+
+    def _end_failed(self) -> list[Action]:
+        assert self.failure is not None and not self.outstanding
+        failure = self.failure
         actions: list[Action] = [
-            SendStatus(p, self.room, RoomStatus.FAILED, failure) for p in self.targets if p != skip
+            SendStatus(p, self.room, RoomStatus.FAILED, failure)
+            for p in self.targets
+            if p not in self._not_told
         ]
-        actions.append(ReleaseRoom(self.room, RoomStatus.FAILED, failure, in_flight))
+        actions += [SendAbortAck(p, self.room) for p in self._acks_owed]
+        self._acks_owed = []
+        actions.append(ReleaseRoom(self.room, RoomStatus.FAILED, failure))
         return actions

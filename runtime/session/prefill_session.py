@@ -1,9 +1,9 @@
 """All rooms of one prefill rank: routing of events to rooms, duplicate ids, timeouts.
 
-Pure: every method takes the current time as a value and returns actions. Finished rooms
-leave a bounded tombstone so that a late or repeated request for the same id gets a typed
-answer (its original failure, or ``duplicate_room``) instead of silently opening a room
-that would never complete.
+Pure: every method takes the current time as a value and returns actions. A failed room
+stays while it drains (its transfers stopping); ended rooms leave a bounded tombstone, so
+that a late or repeated request for the same id gets a typed answer (its original failure,
+or ``duplicate_room``) instead of silently opening a room that would never complete.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
             if isinstance(a, PostTransfer):
                 self._xfer_room[a.xfer_id] = a.room
             elif isinstance(a, ReleaseRoom):
-                for x in a.xfer_ids:
-                    self._xfer_room.pop(x, None)
                 targets = frozenset(self.rooms[a.room].targets)
                 self._bury(a.room, Tombstone(a.status, a.failure, targets))
         return actions
@@ -64,17 +62,23 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
 
     def on_request(self, room: int, target: Target, required: int, now: float) -> list[Action]:
         peer = target.peer
-        dead = self.tombstones.get(room)
-        if dead is not None and room not in self.rooms:
+        r = self.rooms.get(room)
+        if r is None:
+            dead = self.tombstones.get(room)
+        elif r.draining:  # failed already: answered like an ended room (nothing is posted for it)
+            dead = Tombstone(r.status, r.failure, frozenset(r.targets))
+        else:
+            dead = None
+        if dead is not None:
             # A late request from the same engine for a room that failed learns why it failed;
-            # anything else reusing a finished id is a duplicate.
+            # anything else reusing a finished id is a duplicate. Nothing was ever posted to
+            # this peer for the room, so its answer needs no drain.
             same_engine = not dead.peers or peer.engine_id in {p.engine_id for p in dead.peers}
             failed = dead.status is RoomStatus.FAILED and dead.failure is not None
             if failed and same_engine and peer not in dead.peers:
                 assert dead.failure is not None
                 return [SendStatus(peer, room, RoomStatus.FAILED, dead.failure)]
             return [self._duplicate(peer, room, f"room {room} already finished {dead.status.name}")]
-        r = self.rooms.get(room)
         if r is not None:
             engines = {p.engine_id for p in r.targets}
             if peer in r.targets:
@@ -105,6 +109,13 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
             return []
         return self._settle(self.rooms[room].on_xfer_failed(xfer_id, detail))
 
+    def on_not_posted(self, xfer_id: int, failure: Failure) -> list[Action]:
+        """A PostTransfer the edge did not post (see :meth:`PrefillRoom.on_not_posted`)."""
+        room = self._xfer_room.pop(xfer_id, None)
+        if room is None:
+            return []
+        return self._settle(self.rooms[room].on_not_posted(xfer_id, failure))
+
     def on_abort(self, room: int, peer: PeerRef) -> list[Action]:
         r = self.rooms.get(room)
         if r is None:
@@ -118,3 +129,8 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
     def room_of(self, xfer_id: int) -> int | None:
         """The room an in-flight transfer belongs to."""
         return self._xfer_room.get(xfer_id)
+
+    def accepts_posts(self, room: int) -> bool:
+        """Whether ``room`` is live: a PostTransfer of a room that failed meanwhile is not posted."""
+        r = self.rooms.get(room)
+        return r is not None and not r.finished

@@ -12,6 +12,10 @@ older peers (``failures.failure_to_wire``).
 A part whose plan is empty (nothing to write: a replicated tensor another prefill rank
 writes, a prefix-cache hit) cannot ride on an engine write, so its Notification travels on
 the control socket instead; decode counts it the same way.
+
+A failed room's transfers are cancelled with ``Backend.cancel`` and polled like any other
+until the engine confirms each stopped; the room's Failed statuses, AbortAcks and the
+release of its source slots (``on_release``) wait for that (see :mod:`.prefill_room`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pdwire.runtime.planner import IndexListMismatch, PeerPlan, PlanError, PlanG
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
+    CancelTransfers,
     KvPart,
     PeerRef,
     PostTransfer,
@@ -152,14 +157,13 @@ class PrefillWorker:
             self._on_frames(frames[0], frames[1:])
 
     def _service(self) -> None:
+        # Only this loop drops handles (a room never ends with one in flight), so the snapshot holds.
         for x, h in list(self._handles.items()):
-            if self._handles.get(x) is not h:
-                continue  # released meanwhile: an earlier completion in this loop ended its room
             st = self.backend.poll(h)
             if st.state is TransferState.PENDING:
                 continue
             del self._handles[x]
-            self.backend.release(h)
+            self.backend.release(h)  # final: the engine is done with both sides' memory
             room = self.session.room_of(x)
             if room is not None and room in self.spans:
                 self.spans[room][1] = time.perf_counter()
@@ -292,6 +296,11 @@ class PrefillWorker:
         for a in actions:
             if isinstance(a, PostTransfer):
                 self._post(a)
+            elif isinstance(a, CancelTransfers):
+                for x in a.xfer_ids:
+                    h = self._handles.get(x)
+                    if h is not None:  # the others complete without the engine or are not posted yet
+                        self.backend.cancel(h)
             elif isinstance(a, SendStatus):
                 conn = self._by_peer.get(a.peer)
                 if conn is not None:
@@ -343,19 +352,24 @@ class PrefillWorker:
         )
         return group, note
 
+    def _not_posted(self, a: PostTransfer, failure: Failure) -> None:
+        self._run(self.session.on_not_posted(a.xfer_id, failure))
+
     def _post(self, a: PostTransfer) -> None:
+        if not self.session.accepts_posts(a.room):
+            # an earlier action of the same batch failed the room: nothing more is posted for it
+            self._not_posted(
+                a, Failure(FailureKind.ABORTED, f"room {a.room} failed before {a.part} was posted")
+            )
+            return
         conn = self._by_peer.get(a.peer)
         if conn is None or conn.backend_peer is None:
-            self._run(
-                self.session.fail_room(a.room, Failure(FailureKind.PEER_GONE, f"{a.peer} is not connected"))
-            )
+            self._not_posted(a, Failure(FailureKind.PEER_GONE, f"{a.peer} is not connected"))
             return
         try:
             group, note = self._plan(a, conn)
         except (PlanError, KeyError, ValueError) as exc:
-            self._run(
-                self.session.fail_room(a.room, Failure(FailureKind.VALIDATION, f"planning {a.part}: {exc}"))
-            )
+            self._not_posted(a, Failure(FailureKind.VALIDATION, f"planning {a.part}: {exc}"))
             return
         table: DescriptorTable = group.table
         now = time.perf_counter()
@@ -367,12 +381,8 @@ class PrefillWorker:
             return
         try:
             h = self.backend.post(conn.backend_peer, table, wire.encode_bytes(note, conn.version))
-        except BackendError as exc:
-            self._run(
-                self.session.fail_room(
-                    a.room, Failure(FailureKind.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")
-                )
-            )
+        except BackendError as exc:  # a refused post moved nothing
+            self._not_posted(a, Failure(FailureKind.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"))
             return
         self._handles[a.xfer_id] = h
         self.stats.posts += 1
@@ -380,12 +390,7 @@ class PrefillWorker:
         self.stats.descriptors += len(table)
 
     def _release(self, a: ReleaseRoom) -> None:
-        for x in a.xfer_ids:
-            h = self._handles.pop(x, None)
-            if h is not None:
-                self.backend.release(h)
-            if x in self._done_now:
-                self._done_now.remove(x)
+        # Nothing of the room is in flight any more: its source slots may be reused.
         self._requests.pop(a.room, None)
         self._state_plans.pop(a.room, None)
         self._sources.pop(a.room, None)

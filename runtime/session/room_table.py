@@ -1,10 +1,10 @@
 """What the prefill and the decode session do alike with their rooms.
 
 Both keep their live rooms by id, fail every room of a peer that went away, run each room's
-deadline check once it is due, and remember finished rooms in a bounded tombstone list (oldest
-dropped first) so that a late or repeated id is recognised. What a room is, and what a
-tombstone holds, is each session's own; so is ``_settle``, the book-keeping after a room
-returned actions.
+deadline check once it is due (a finished room kept for other reasons has none), and remember
+finished rooms in a bounded tombstone list (oldest dropped first) so that a late or repeated id
+is recognised. What a room is, and what a tombstone holds, is each session's own; so is
+``_settle``, the book-keeping after a room returned actions.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from pdwire.runtime.session.actions import Action, PeerRef
 class _Room(Protocol):
     @property
     def deadline(self) -> float: ...
+
+    @property
+    def finished(self) -> bool: ...
 
     def on_peer_lost(self, peer: PeerRef) -> list[Action]: ...
 
@@ -54,9 +57,9 @@ class RoomTable(Generic[R, T]):
     def on_tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for r in list(self.rooms.values()):
-            if now >= r.deadline:
+            if now >= r.deadline and not r.finished:
                 actions += self._settle(r.on_tick(now))
         return actions
 
     def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self.rooms.values()), default=None)
+        return min((r.deadline for r in self.rooms.values() if not r.finished), default=None)

@@ -1,20 +1,22 @@
 """Prefill and decode workers in one process over real sockets, with an injected engine failure.
 
 One transfer of a room fails while the room's other transfers are still pending: the room
-must fail once, with the engine's reason on the decode side, and the prefill worker must not
-touch the handles that failing the room released (it used to poll one and crash).
+must fail once, with the engine's reason on the decode side, and only after the prefill
+worker cancelled the others and the engine confirmed they stopped.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 import zmq
 from pdwire.runtime.backends import shm
-from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
+from pdwire.runtime.backends.base import DONE, TransferHandle, failed
 from pdwire.runtime.backends.local import LocalBackend
+from pdwire.runtime.backends.worker import Job
 from pdwire.runtime.demo_content import fill, full_tensors
 from pdwire.runtime.demo_rank import model_fingerprint
 from pdwire.runtime.session.decode_worker import DecodeWorker
@@ -28,10 +30,21 @@ from tests.e2e.conftest import SPEC, room_slots, serving, worker_caches
 
 
 class FirstTransferFails(LocalBackend):
-    """The first posted transfer fails at its first poll; every other one stays pending."""
+    """The first posted transfer fails at its first poll without writing; the others queue on
+    the worker thread behind a job that waits for ``gate``."""
 
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
-        return failed("injected engine failure") if handle.id == 1 else PENDING
+    def __init__(self, agent_name: str) -> None:
+        super().__init__(agent_name)
+        self.gate = threading.Event()
+        self._worker.submit(lambda job: (self.gate.wait(), DONE)[1])
+
+    def _post(self, handle: TransferHandle, table: Any, notification: bytes) -> None:
+        if handle.id != 1:
+            super()._post(handle, table, notification)
+            return
+        job = Job(lambda job: DONE, status=failed("injected engine failure"))
+        job.finished.set()
+        handle.engine = job
 
 
 def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> None:
@@ -62,6 +75,13 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
             pre.step(5)
         pre.chunk_ready(7, src, 0, len(src.pages), True)
         assert len(pre._handles) == 4  # KV, Mamba, SWA, aux: in flight together
+        for _ in range(100):  # the first fails; the other three cannot stop while the gate is shut
+            pre.step(1)
+            dec.step(1)
+        assert 7 in pre.session.rooms and pre.session.rooms[7].draining
+        assert len(pre._handles) == 3 and all(h.cancel_reason for h in pre._handles.values())
+        assert finished == [] and pre.stats.rooms_failed == 0  # nobody told while they may write
+        pb.gate.set()
         while not finished:
             assert time.monotonic() < deadline, "the room never finished on the decode side"
             pre.step(5)
@@ -72,6 +92,7 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
         assert pre.stats.rooms_failed == 1 and pre.stats.rooms_ok == 0
         assert pre._handles == {} and pb._handles == {}  # every handle of the room released
     finally:
+        pb.gate.set()
         pre.close()
         dec.close()
         pb.close()

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pdwire.runtime.session import (
     Action,
     AuxPart,
+    CancelTransfers,
     Failure,
     FailureKind,
     KvPart,
@@ -52,6 +53,7 @@ class Log:
     statuses: list[SendStatus] = field(default_factory=list)
     releases: list[ReleaseRoom] = field(default_factory=list)
     acks: list[SendAbortAck] = field(default_factory=list)
+    cancels: list[CancelTransfers] = field(default_factory=list)
     after_release: list[Action] = field(default_factory=list)
 
     def take(self, actions: list[Action]) -> None:
@@ -66,6 +68,8 @@ class Log:
                 self.releases.append(a)
             elif isinstance(a, SendAbortAck):
                 self.acks.append(a)
+            elif isinstance(a, CancelTransfers):
+                self.cancels.append(a)
 
 
 class Driver:
@@ -135,10 +139,20 @@ def test_every_order_succeeds_with_exact_posts(scn: Scenario, data: st.DataObjec
 
 
 FAULTS = ["xfer_failed", "abort", "peer_lost", "timeout", "planning"]
+STRANGER = PeerRef("other-engine", 9)
+DRAIN_EVENTS = ["done", "failed", "abort", "stranger_abort", "chunk", "peer_lost", "tick"]
+
+
+def assert_fenced(actions: list[Action], requesters: set[PeerRef]) -> None:
+    """While a transfer of a failed room may still write, nothing may tell a requester that
+    the room is over, release its source slots, or post anything new."""
+    for a in actions:
+        assert not isinstance(a, PostTransfer | ReleaseRoom | CancelTransfers), a
+        assert not (isinstance(a, SendStatus | SendAbortAck) and a.peer in requesters), a
 
 
 @given(scenarios(), st.sampled_from(FAULTS), st.integers(0, 15), st.data())
-def test_any_fault_fails_once_and_releases_everything(
+def test_a_failed_room_answers_and_releases_only_once_every_transfer_stopped(
     scn: Scenario, fault: str, fault_step: int, data: st.DataObject
 ) -> None:
     targets, chunks = scn
@@ -151,42 +165,125 @@ def test_any_fault_fails_once_and_releases_everything(
     if ROOM not in s.rooms:
         return
     culprit = targets[d.pick(targets)].peer
-    expect_skip: PeerRef | None = None
+    requesters = {t.peer for t in targets} - {t.peer for t in d.pending}
+    skip: set[PeerRef] = set()  # gets no Failed status
+    acks: list[PeerRef] = []  # AbortAcks owed, in order
     if fault == "xfer_failed" and d.in_flight:
         log.take(s.on_xfer_failed(d.in_flight.pop(0), "ERR"))
         kind = FailureKind.ENGINE_ERROR
-    elif fault == "abort" and culprit in s.rooms[ROOM].targets:
+    elif fault == "abort" and culprit in requesters:
         log.take(s.on_abort(ROOM, culprit))
-        kind, expect_skip = FailureKind.ABORTED, culprit
-        assert log.acks == [SendAbortAck(culprit, ROOM)]
+        kind = FailureKind.ABORTED
+        skip.add(culprit)
+        acks.append(culprit)
     elif fault == "abort":  # not a requester of this room (yet): acknowledged, the room untouched
         log.take(s.on_abort(ROOM, culprit))
         assert log.acks == [SendAbortAck(culprit, ROOM)] and not log.releases
+        log.acks.clear()
         log.take(s.on_tick(1e9))
         kind = FailureKind.TIMEOUT
-    elif fault == "peer_lost" and culprit in s.rooms[ROOM].targets:
+    elif fault == "peer_lost" and culprit in requesters:
         log.take(s.on_peer_lost(culprit))
-        kind, expect_skip = FailureKind.PEER_GONE, culprit
+        kind = FailureKind.PEER_GONE
+        skip.add(culprit)
+    elif fault == "planning" and d.in_flight:  # the edge could not post a part it was given
+        log.take(s.on_not_posted(d.in_flight.pop(0), Failure(FailureKind.VALIDATION, "planner refused")))
+        kind = FailureKind.VALIDATION
     elif fault == "planning":
         log.take(s.fail_room(ROOM, Failure(FailureKind.VALIDATION, "planner refused")))
         kind = FailureKind.VALIDATION
     else:
         log.take(s.on_tick(1e9))
         kind = FailureKind.TIMEOUT
-    assert len(log.releases) == 1 and log.releases[0].status is RoomStatus.FAILED
+    failure = s.rooms[ROOM].failure if ROOM in s.rooms else log.releases[0].failure
+    assert failure is not None and failure.kind is kind
+
+    if d.in_flight:
+        # Transfers may still write into the targets' slots: cancel them and tell nobody yet.
+        assert log.cancels == [CancelTransfers(ROOM, tuple(d.in_flight))]
+        assert not log.releases and not log.acks
+        assert not [x for x in log.statuses if x.status is RoomStatus.FAILED]
+        assert s.rooms[ROOM].draining
+    # Drain in any order, with anything else a peer or the engine may do meanwhile.
+    lost: set[PeerRef] = set()
+    next_chunk = d.next_chunk
+    while d.in_flight:
+        event = data.draw(st.sampled_from(DRAIN_EVENTS))
+        live = sorted(requesters - lost, key=str)
+        if event in ("done", "failed"):
+            x = d.in_flight.pop(d.pick(d.in_flight))
+            acts = s.on_xfer_done(x) if event == "done" else s.on_xfer_failed(x, "cancelled")
+            if d.in_flight:
+                assert_fenced(acts, requesters)
+            log.take(acts)
+        elif event == "abort" and live:
+            peer = live[d.pick(live)]
+            acts = s.on_abort(ROOM, peer)
+            assert acts == []  # acknowledged after the drain, when it is true
+            acks.append(peer)
+        elif event == "stranger_abort":
+            assert s.on_abort(ROOM, STRANGER) == [SendAbortAck(STRANGER, ROOM)]  # never asked: at once
+        elif event == "chunk" and next_chunk < len(chunks):
+            assert s.on_chunk(ROOM, *chunks[next_chunk], now=0.0) == []  # posts nothing
+            next_chunk += 1
+        elif event == "peer_lost" and live:
+            peer = live[d.pick(live)]
+            assert s.on_peer_lost(peer) == []
+            lost.add(peer)
+            acks = [p for p in acks if p != peer]
+        else:
+            assert s.on_tick(1e9) == []
+    # Every transfer stopped: now, and only now, everyone is told and the room is released.
+    assert len(log.releases) == 1
     rel = log.releases[0]
-    assert rel.failure is not None and rel.failure.kind is kind
-    assert sorted(rel.xfer_ids) == sorted(d.in_flight)  # every handle still in flight, nothing else
+    assert rel == ReleaseRoom(ROOM, RoomStatus.FAILED, failure)
     assert not log.after_release
-    requested = {t.peer for t in targets} - {t.peer for t in d.pending}
-    failed = {x.peer for x in log.statuses if x.status is RoomStatus.FAILED}
-    assert failed == requested - {expect_skip}  # everyone who asked is told, once
-    assert all(x.failure == rel.failure for x in log.statuses if x.status is RoomStatus.FAILED)
-    # completions and engine events after the failure change nothing
-    for x in rel.xfer_ids:
-        assert s.on_xfer_done(x) == []
+    failed = [x.peer for x in log.statuses if x.status is RoomStatus.FAILED]
+    assert sorted(failed, key=str) == sorted(requesters - skip - lost, key=str)  # each once
+    assert all(x.failure == failure for x in log.statuses if x.status is RoomStatus.FAILED)
+    assert log.acks == [SendAbortAck(p, ROOM) for p in acks]
+    # completions and engine events after the release change nothing
+    assert s.on_xfer_done(max((p.xfer_id for p in log.posts), default=0)) == []
     assert s.on_chunk(ROOM, 0, 1, True, 0.0) == []
+    assert s.on_abort(ROOM, culprit) == [SendAbortAck(culprit, ROOM)]
     assert ROOM not in s.rooms and s.tombstones[ROOM].status is RoomStatus.FAILED
+
+
+def test_a_draining_room_acknowledges_an_abort_only_after_its_last_transfer_stopped() -> None:
+    s = PrefillSession()
+    d0, d1 = PeerRef("d", 0), PeerRef("d", 1)
+    s.on_request(ROOM, Target(d0, False), 2, 0.0)
+    s.on_request(ROOM, Target(d1, False), 2, 0.0)
+    posts = [a for a in s.on_chunk(ROOM, 0, 4, True, 0.0) if isinstance(a, PostTransfer)]
+    assert [p.peer for p in posts] == [d0, d1]
+    fail = s.on_xfer_failed(posts[0].xfer_id, "ERR")
+    assert fail == [CancelTransfers(ROOM, (posts[1].xfer_id,))]  # d1's write may still land
+    assert s.on_abort(ROOM, d1) == []
+    assert s.on_request(ROOM, Target(d1, False), 2, 0.0)[0].failure.kind is FailureKind.DUPLICATE_ROOM  # type: ignore[union-attr]
+    assert ROOM in s.rooms  # not released: its source slots are still being read
+    end = s.on_xfer_failed(posts[1].xfer_id, "cancelled")
+    failure = Failure(FailureKind.ENGINE_ERROR, f"KvPart to {d0}: ERR")
+    assert end == [
+        SendStatus(d0, ROOM, RoomStatus.FAILED, failure),
+        SendStatus(d1, ROOM, RoomStatus.FAILED, failure),
+        SendAbortAck(d1, ROOM),
+        ReleaseRoom(ROOM, RoomStatus.FAILED, failure),
+    ]
+
+
+def test_a_late_request_from_the_same_engine_for_a_draining_room_learns_the_failure_at_once() -> None:
+    s = PrefillSession()
+    owner, late = PeerRef("d", 0), PeerRef("d", 1)
+    s.on_request(ROOM, Target(owner, False), 1, 0.0)
+    (post,) = [a for a in s.on_chunk(ROOM, 0, 2, True, 0.0) if isinstance(a, PostTransfer)]
+    s.on_tick(1e9)
+    assert s.rooms[ROOM].draining
+    failure = s.rooms[ROOM].failure
+    # nothing was ever posted to the late peer: its answer does not wait for the drain
+    assert s.on_request(ROOM, Target(late, False), 1, 0.0) == [
+        SendStatus(late, ROOM, RoomStatus.FAILED, failure)
+    ]
+    assert s.on_xfer_done(post.xfer_id)[-1] == ReleaseRoom(ROOM, RoomStatus.FAILED, failure)
 
 
 def test_chunks_before_requests_are_posted_when_the_last_request_arrives() -> None:
