@@ -69,18 +69,46 @@ def empty_u64() -> npt.NDArray[np.uint64]:
     return empty(U64)
 
 
+def integer_array(value: object) -> npt.NDArray[Any]:
+    """``value`` as an integer ndarray, never through floats; ValueError says what is wrong.
+
+    numpy promotes a list that mixes values below 2**63 with values at or above it (a u64
+    address with bit 63 set) to float64, losing bits, and one past 64 bits to object; such a
+    flat list is converted item by item instead. An ndarray is returned as it is when it holds
+    integers. Callers check the shape and the range of their own dtype.
+    """
+    try:
+        arr = np.asarray(value)
+    except Exception:  # ragged nesting, or an int numpy cannot hold: look at the items below
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"cannot be read as an array: {type(value).__name__}") from None
+        arr = np.asarray(value, dtype=object)
+    if arr.size == 0 or arr.dtype.kind in "iu":
+        return arr
+    if isinstance(value, np.ndarray) or arr.ndim != 1:
+        raise ValueError(f"must hold integers, got dtype {arr.dtype}")
+    items = list(value)  # type: ignore[call-overload]
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int | np.integer):
+            raise ValueError(f"must hold integers, got {type(x).__name__}")
+    ints = [int(x) for x in items]
+    lo, hi = min(ints), max(ints)
+    if lo < -(2**63) or hi > 2**64 - 1 or (lo < 0 and hi > 2**63 - 1):
+        bad = lo if lo < -(2**63) or hi <= 2**64 - 1 else hi
+        raise ValueError(f"{bad} does not fit a 64-bit integer next to {hi if bad == lo else lo}")
+    return np.asarray(ints, dtype=np.uint64 if hi > 2**63 - 1 else np.int64)
+
+
 def _coerce(value: object, dtype: np.dtype[Any], where: str) -> npt.NDArray[Any]:
     """Convert ``value`` to a 1-D C-contiguous array of ``dtype`` without ever wrapping a number."""
     try:
-        arr = np.asarray(value)
-    except Exception as exc:  # numpy raises many types for ragged or odd input
-        raise EncodeError(f"cannot be read as an array: {exc}", field=where) from None
+        arr = integer_array(value)
+    except ValueError as exc:
+        raise EncodeError(str(exc), field=where) from None
     if arr.ndim != 1:
         raise EncodeError(f"must be one-dimensional, got shape {arr.shape}", field=where)
     if arr.size == 0:
         return empty(dtype)
-    if arr.dtype.kind not in "iu":
-        raise EncodeError(f"must hold integers, got dtype {arr.dtype}", field=where)
     info = np.iinfo(dtype)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < info.min or hi > info.max:

@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from .arrays import integer_array
 from .profile_errors import ProfileDecodeError, Where
 
 Buf = bytes | bytearray | memoryview
@@ -299,19 +300,9 @@ def _as_array(v: object, dtype: np.dtype[Any], w: Where) -> npt.NDArray[Any]:
         arr: npt.NDArray[Any] = v
     elif isinstance(v, list | tuple):
         try:
-            arr = np.asarray(v)
-        except (OverflowError, ValueError):
-            arr = np.asarray(v, dtype=object)
-        if arr.size and arr.dtype.kind not in "iu":
-            # not plain integers, or integers numpy promotes to float/object (values at or above
-            # 2**63 next to small ones, values past 64 bits): check item by item
-            for x in v:
-                if isinstance(x, bool) or not isinstance(x, int | np.integer):
-                    raise w.encode_error(f"expected integers, got {type(x).__name__}")
-            lo, hi = min(int(x) for x in v), max(int(x) for x in v)
-            if lo < 0 or hi > 2**64 - 1:
-                raise w.encode_error(f"{lo if lo < 0 else hi} does not fit {dtype.name}")
-            arr = np.asarray([int(x) for x in v], dtype=np.uint64)
+            arr = integer_array(v)  # never through floats: u64 values past 2**63 stay exact
+        except ValueError as exc:
+            raise w.encode_error(str(exc)) from None
         if arr.ndim != 1:
             raise w.encode_error("expected a flat list of integers")
     else:

@@ -79,6 +79,52 @@ def test_lists_and_tuples_are_accepted_as_arrays_but_never_wrapped() -> None:
         w.encode(w.TransferRequest(room=1, sender="d", dst_kv_indices=np.zeros(2, dtype=np.float32)))
 
 
+def _registration(k_base_addrs: object, state_addrs: object) -> w.RegisterInfo:
+    """A minimal RegisterInfo carrying ``k_base_addrs`` and one state component at ``state_addrs``."""
+    n = len(state_addrs)  # type: ignore[arg-type]
+    comp = w.StateComponent(
+        type=w.StateType.MAMBA, base_addrs=state_addrs, region_lens=[64] * n, bytes_per_slot=[8] * n
+    )  # type: ignore[arg-type]
+    return w.RegisterInfo(
+        endpoint="e", engine_id="e", agent_name="a", agent_metadata=b"", geometry=w.ParallelGeometry(),
+        first_layer=0, num_layers=0, k_base_addrs=k_base_addrs, v_base_addrs=[], bytes_per_page=[],
+        region_lens=[], num_pages=0, page_size=1, kv_layout=w.KvLayout.NHD, kv_heads_per_rank=1,
+        kv_heads_total=1, bytes_per_head=1, is_mla=True, state_components=[comp],
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "addrs",
+    [[4096, 2**63 + 4096], (2**64 - 1, 0), [2**63]],
+    ids=["below-and-above-2**63", "u64-max-and-zero", "bit-63-alone"],
+)
+def test_u64_lists_keep_every_bit_even_where_numpy_would_promote_to_float(addrs: list[int]) -> None:
+    # numpy reads [4096, 2**63 + 4096] as float64: an address with bit 63 set must not be refused
+    # as "not integers" (or, worse, rounded)
+    import numpy as np
+
+    back = w.decode(w.encode(_registration(list(addrs), addrs)))
+    assert isinstance(back, w.RegisterInfo)
+    assert back.k_base_addrs.dtype == np.uint64 and [int(x) for x in back.k_base_addrs] == list(addrs)
+    assert [int(x) for x in back.state_components[0].base_addrs] == list(addrs)
+
+
+@pytest.mark.parametrize(
+    ("values", "text"),
+    [
+        ([1, 2**64], "does not fit"),
+        ([-1, 2**63], "does not fit"),
+        ([1.5, 2], "integers"),
+        ([True], "integers"),
+    ],
+    ids=["past-64-bits", "negative-next-to-2**63", "float", "bool"],
+)
+def test_lists_that_are_not_u64_are_refused_naming_the_field(values: list[object], text: str) -> None:
+    with pytest.raises(w.EncodeError, match=text) as e:
+        w.encode(_registration([], values))
+    assert "StateComponent.base_addrs" in str(e.value)
+
+
 def test_absent_component_is_distinct_from_empty() -> None:
     import numpy as np
 
