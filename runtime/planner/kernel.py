@@ -103,9 +103,13 @@ def check_bounds(buffers: BufferSet, src: U64, dst: U64) -> None:
 def expand(buffers: BufferSet, src: U64, dst: U64) -> DescriptorTable:
     """Descriptors of every entry for index pairs sorted by destination; coalesced, hence minimal."""
     pattern = buffers.pattern
-    if len(src) == 0 or len(pattern) == 0 or len(buffers.src_bases) == 0:
+    if len(src) == 0 or len(buffers.src_bases) == 0:
         return DescriptorTable.empty()
+    # checked even where this rank writes nothing (a dummy or duplicate-head rank): every rank
+    # of a room refuses the same out-of-range index instead of one failing and others passing
     check_bounds(buffers, src, dst)
+    if len(pattern) == 0:
+        return DescriptorTable.empty()
     rel_src = (src[:, None] * np.uint64(pattern.src_item) + pattern.src_off[None, :]).ravel()
     rel_dst = (dst[:, None] * np.uint64(pattern.dst_item) + pattern.dst_off[None, :]).ravel()
     rel_len = np.tile(pattern.length, len(src))

@@ -111,18 +111,17 @@ def _axis_pattern(pair: _Pair, src: StateTensor, dst: StateTensor, component: st
             component=component,
             tensor=src.name,
         )
-    if (
-        src.sub_block_sizes is not None
-        and dst.sub_block_sizes is not None
-        and src.sub_block_sizes != dst.sub_block_sizes
-    ):
+    full = src.sharded_axis_size * pair.src_tp
+    # None is one block: a split declared on one side only is a disagreement about where each
+    # rank's share lies (e.g. q|k|v versus one run), never a detail the other side may fill in
+    blocks = src.sub_block_sizes or (full,)
+    dst_blocks = dst.sub_block_sizes or (dst.sharded_axis_size * pair.dst_tp,)
+    if blocks != dst_blocks and dst.sharded_axis_size * pair.dst_tp == full:
         raise GeometryMismatch(
-            f"sub-block sizes differ: prefill {src.sub_block_sizes}, decode {dst.sub_block_sizes}",
+            f"sub-block sizes differ: prefill {blocks}, decode {dst_blocks}",
             component=component,
             tensor=src.name,
         )
-    full = src.sharded_axis_size * pair.src_tp
-    blocks = src.sub_block_sizes or dst.sub_block_sizes or (full,)
     if sum(blocks) != full or dst.sharded_axis_size * pair.dst_tp != full:
         raise GeometryMismatch(
             f"full axis size disagrees: sub-blocks sum {sum(blocks)}, "

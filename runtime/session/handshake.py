@@ -359,6 +359,19 @@ def _wire_tensor(
     )
 
 
+def _rank_axis(where: str, tensor: str, full: int, tp_size: int) -> int:
+    """The peer rank's share of a TP-sharded axis; a full size TP does not divide is refused
+    (rounding down would give every rank a share that ends short of the next one's start)."""
+    if full % tp_size:
+        raise RegistrationMismatch(
+            where,
+            tensor,
+            "shard_axis_sizes",
+            f"full size {full} cannot be split over the peer's TP {tp_size}",
+        )
+    return full // tp_size
+
+
 def _borrowed_component(
     ci: int, wc: wire.StateComponent, lc: StateComponent, info: wire.RegisterInfo, layout: Layout
 ) -> StateComponent:
@@ -378,7 +391,7 @@ def _borrowed_component(
             hpr = max(1, full // g.tp_size)
             heads = HeadGeometry(info.page_size, layout, hpr, full, per_slot[first] // (info.page_size * hpr))
         elif full:
-            axis = full // g.tp_size
+            axis = _rank_axis(f"state_components[{ci}] ({lc.kind.value})", lt.name, full, g.tp_size)
         tensors.append(
             _wire_tensor(f"state_components[{ci}] ({lc.kind.value})", wc, lt.name, ti, layers, axis)
         )
@@ -429,7 +442,9 @@ def _described_component(
     tensors = []
     for ti, name in enumerate(names):
         full = shard[ti * layers]
-        axis = full // tp_size if sharding == wire.StateSharding.AXIS and full else None
+        axis = (
+            _rank_axis(where, name, full, tp_size) if sharding == wire.StateSharding.AXIS and full else None
+        )
         tensors.append(_wire_tensor(where, wc, name, ti, layers, axis))
     return StateComponent(
         lc.kind,

@@ -43,6 +43,20 @@ def test_kv_page_outside_the_region_and_negative_pages() -> None:
         plan.plan_kv_chunk(0, np.array([0.0]), [0])
 
 
+def test_a_rank_that_writes_nothing_still_refuses_an_out_of_range_index() -> None:
+    # replicated SWA from prefill TP 2 into decode TP 1: one prefill rank writes, the other
+    # has nothing to send; both must refuse the same bad index, not just the writer
+    swa = paged(StateKind.SWA, replicated=True, pages=8)
+    tables = []
+    for src_rank in (0, 1):
+        plan = prepare_peer(rank(2, src_rank, state=(swa,)), rank(1, 0, state=(swa,)))
+        tables.append(len(plan.plan_state([[0, 1]], [[6, 7]])[0].table))
+        with pytest.raises(IndexOutOfRange, match="destination index 8") as caught:
+            plan.plan_state([[0, 1]], [[7, 8]])
+        assert caught.value.component == "state[0]:swa"
+    assert sorted(tables)[0] == 0 < sorted(tables)[1]  # exactly one of the two ranks writes
+
+
 def test_unequal_index_lists_are_an_error_never_a_truncation() -> None:
     kv_plan = prepare_peer(rank(1, 0, kv_pool(1)), rank(1, 0, kv_pool(1, base=1 << 44)))
     with pytest.raises(IndexListMismatch, match="3 source indices but 2"):
@@ -97,6 +111,23 @@ def test_sub_blocks_must_shard_evenly_and_agree() -> None:
         prepare_peer(
             rank(1, 0, state=(mamba(1, blocks=(8, 8)),)), rank(2, 0, state=(mamba(2, blocks=(4, 12)),))
         )
+
+
+@pytest.mark.parametrize("undeclared", ["prefill", "decode"])
+def test_a_sub_block_split_declared_on_one_side_only_is_refused(undeclared: str) -> None:
+    # None means one block: q|k|v on one side against one run on the other puts each rank's
+    # share at different offsets, so neither side's split may be assumed for the other
+    def conv(tp: int, declared: bool, blocks: tuple[int, ...] = (8, 8, 16)):  # type: ignore[no-untyped-def]
+        comp = mamba(tp, blocks=blocks)
+        tensor = comp.tensors[0] if declared else replace(comp.tensors[0], sub_block_sizes=None)
+        return replace(comp, tensors=(tensor,))
+
+    src = rank(1, 0, state=(conv(1, undeclared != "prefill"),))
+    dst = rank(2, 0, state=(conv(2, undeclared != "decode"),))
+    with pytest.raises(GeometryMismatch, match=r"sub-block sizes differ: prefill \(.*\), decode \(.*\)"):
+        prepare_peer(src, dst)
+    # one declared block is the same as none
+    prepare_peer(rank(1, 0, state=(conv(1, True, (32,)),)), rank(2, 0, state=(conv(2, False, (32,)),)))
 
 
 @pytest.mark.parametrize(

@@ -268,3 +268,16 @@ def test_per_entry_state_lists_that_do_not_line_up_are_refused_by_field(
         HandshakeError, match=rf"state_components\[0\]\.{field}: 1 entries for {n} base addresses"
     ):
         remote_memory(replace_struct(info, 0, **{field: value}), pre.memory)
+
+
+@pytest.mark.parametrize("version", [(1, 2), (1, 1)], ids=["1.2-self-described", "1.1-borrowed"])
+def test_a_sharded_axis_the_peers_tp_does_not_divide_is_refused(version: tuple[int, int]) -> None:
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 2, 1)
+    info = _register(dec.memory, version)
+    mamba = info.state_components[0]
+    odd = np.array(mamba.shard_axis_sizes, dtype=np.uint64)
+    odd[odd > 0] += 1  # every sharded tensor's full axis one longer: odd, and TP is 2
+    with pytest.raises(RegistrationMismatch, match="cannot be split over the peer's TP 2") as e:
+        remote_memory(replace_struct(info, 0, shard_axis_sizes=odd), pre.memory)
+    assert (e.value.tensor, e.value.field) == ("conv", "shard_axis_sizes")
