@@ -165,7 +165,7 @@ def _report(
         lines.append(
             f"request latency (submit -> every decode rank verified): p50 {p50:.1f} ms, p99 {p99:.1f} ms"
         )
-    requests_sent = sum(s["messages_out"] for s in dstats)
+    requests_sent = sum(s["requests_sent"] for s in dstats)
     lines.append(
         f"control plane: {ctl_msgs} prefill-side messages ({ctl_msgs / max(n, 1):.1f} per request, "
         f"handshakes included), {requests_sent} TransferRequests"

@@ -109,4 +109,18 @@ class ReleaseRoom:
     failure: Failure | None
 
 
-Action = PostTransfer | CancelTransfers | SendStatus | SendAbort | SendAbortAck | ReleaseRoom
+@dataclass(frozen=True, slots=True)
+class ReleaseSlots:
+    """A decode room's destination slots are the engine's again: no sender writes into them.
+
+    Follows ``ReleaseRoom(SUCCESS)`` at once (every write completed). For a failed room it
+    waits until every sender that could write has fenced (a Failed or Success status, an
+    AbortAck, or the sender is gone) or until the fence timeout; ``unfenced`` names the
+    senders the timeout gave up on (empty when every sender fenced).
+    """
+
+    room: int
+    unfenced: tuple[PeerRef, ...] = ()
+
+
+Action = PostTransfer | CancelTransfers | SendStatus | SendAbort | SendAbortAck | ReleaseRoom | ReleaseSlots

@@ -8,15 +8,26 @@ multi-component state complete after its first component). The room succeeds onl
 every expected completion arrived; anything unexpected (unknown sender, dummy sender,
 repeated or out-of-range chunk, unexpected component) fails it, because a completion this
 side cannot account for means the bytes in its slots cannot be trusted either.
+
+A room's end and the reuse of its destination slots are separate. ``ReleaseRoom`` reports
+the outcome at once (the engine can retry a failed request elsewhere); ``ReleaseSlots``
+hands the slots back to the engine. After a success that is immediate: every write
+completed. A failed room is quarantined until every real (non-dummy) sender has *fenced*,
+i.e. said that nothing of the room is in flight there any more: a Failed or Success
+status (a prefill rank sends either only once its transfers stopped), an AbortAck (sent
+only after its drain), or the sender is gone. Dummy senders write nothing and need no
+fence. A sender that stays silent is given up on ``fence_timeout_s`` after the room's own
+deadline; that release names it in ``ReleaseSlots.unfenced`` so the edge can make it loud.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots, SendAbort
 from pdwire.runtime.session.failures import Failure, FailureKind
 from pdwire.runtime.session.status import RoomStatus
 
@@ -39,13 +50,17 @@ class SenderPlan:
 
 
 class DecodeRoom:
-    def __init__(self, room: int, senders: Sequence[SenderPlan], deadline: float) -> None:
+    def __init__(
+        self, room: int, senders: Sequence[SenderPlan], deadline: float, fence_timeout_s: float = math.inf
+    ) -> None:
         if not any(not s.is_dummy for s in senders):
             raise ValueError(f"room {room}: no real (non-dummy) sender")
         if sum(s.aux for s in senders if not s.is_dummy) != 1:
             raise ValueError(f"room {room}: exactly one real sender must own aux")
         self.room = room
         self.deadline = deadline
+        self.fence_deadline = deadline + fence_timeout_s
+        self.slots_released = False
         self.status = RoomStatus.BOOTSTRAPPING
         self.failure: Failure | None = None
         self.plans = {s.sender: s for s in senders}
@@ -56,6 +71,7 @@ class DecodeRoom:
         self._kv_count: dict[int, int | None] = {s.sender: None for s in real}
         self._state_missing: dict[int, set[int]] = {s.sender: set(s.components) for s in real}
         self._aux_missing: set[int] = {s.sender for s in real if s.aux}
+        self._fenced: set[int] = set()  # real senders with nothing of the room in flight any more
 
     @property
     def finished(self) -> bool:
@@ -78,6 +94,10 @@ class DecodeRoom:
     def complete(self) -> bool:
         return not self.missing()
 
+    def unfenced(self) -> tuple[PeerRef, ...]:
+        """Real senders that may still have a write of this room in flight."""
+        return tuple(p.peer for s, p in self.plans.items() if not p.is_dummy and s not in self._fenced)
+
     # -- events ----------------------------------------------------------------------
 
     def on_requests_sent(self) -> None:
@@ -95,25 +115,47 @@ class DecodeRoom:
         self.status = RoomStatus.TRANSFERRING
         if self.complete:
             self.status = RoomStatus.SUCCESS
-            return [ReleaseRoom(self.room, RoomStatus.SUCCESS, None)]
+            self.slots_released = True  # every write completed: nothing can land any more
+            return [ReleaseRoom(self.room, RoomStatus.SUCCESS, None), ReleaseSlots(self.room)]
         return []
 
     def on_status(self, sender: int, status: RoomStatus, failure: Failure | None) -> list[Action]:
-        """A status from a prefill sender. Only Failed changes anything: Success is counted
-        from completions (a status can overtake the engine's notifications)."""
-        if self.finished or status is not RoomStatus.FAILED:
-            return []
+        """A status from a prefill sender. A final one fences that sender. Only Failed changes
+        the room: Success is counted from completions (a status can overtake the engine's
+        notifications)."""
         plan = self.plans.get(sender)
+        if status.terminal and plan is not None:
+            self._fenced.add(sender)
+        if self.finished:
+            return self._maybe_release_slots()
+        if status is not RoomStatus.FAILED:
+            return []
         who = plan.peer if plan is not None else None
         return self._fail(failure or Failure(FailureKind.REMOTE, f"sender {sender} failed"), skip=who)
 
+    def on_abort_ack(self, sender: int) -> list[Action]:
+        """A prefill sender acknowledged our Abort: nothing of the room is in flight there."""
+        if sender in self.plans:
+            self._fenced.add(sender)
+        return self._maybe_release_slots() if self.finished else []
+
     def on_peer_lost(self, peer: PeerRef) -> list[Action]:
-        if self.finished or all(p.peer != peer for p in self.plans.values()):
+        senders = [s for s, p in self.plans.items() if p.peer == peer]
+        if not senders:
             return []
+        self._fenced.update(senders)  # a process that is gone writes nothing more
+        if self.finished:
+            return self._maybe_release_slots()
         return self._fail(Failure(FailureKind.PEER_GONE, f"{peer} went away"), skip=peer)
 
     def on_tick(self, now: float) -> list[Action]:
-        if self.finished or now < self.deadline:
+        if self.finished:
+            if self.slots_released or now < self.fence_deadline:
+                return []
+            # A sender never fenced: hand the slots back anyway, naming it (never silently).
+            self.slots_released = True
+            return [ReleaseSlots(self.room, self.unfenced())]
+        if now < self.deadline:
             return []
         return self._fail(
             Failure(
@@ -167,4 +209,10 @@ class DecodeRoom:
         peers = dict.fromkeys(p.peer for p in self.plans.values() if p.peer != skip)
         actions: list[Action] = [SendAbort(p, self.room, failure) for p in peers]
         actions.append(ReleaseRoom(self.room, RoomStatus.FAILED, failure))
-        return actions
+        return actions + self._maybe_release_slots()
+
+    def _maybe_release_slots(self) -> list[Action]:
+        if self.slots_released or self.unfenced():
+            return []
+        self.slots_released = True
+        return [ReleaseSlots(self.room)]

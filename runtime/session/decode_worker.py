@@ -8,6 +8,13 @@ the reserved room 0 for 1.1 and 1.0 peers) and raises
 TransferRequest per prefill rank the routing names (dummies explicitly marked) and opens
 the room in the session; completions arrive as engine notifications or, for parts with
 nothing to write, on the control socket.
+
+Two callbacks tell the engine about a room: ``on_finished(room, status, failure)`` as soon as
+it ends (a failed request can be retried elsewhere at once), and ``on_slots_released(room)``
+once its destination slots may be reused: at once after a success, and for a failed room
+only when every writing prefill rank fenced (its Failed status, Success status or AbortAck)
+or the fence timeout gave up on it (counted in ``stats.unfenced_releases`` and named in
+``stats.failures``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from pdwire.runtime.backends import Backend
 from pdwire.runtime.demo_content import RoomSlots
 from pdwire.runtime.demo_model import RankCaches
 from pdwire.runtime.planner import route_decode_rank
-from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, SendAbort
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots, SendAbort
 from pdwire.runtime.session.decode_room import PartKind, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import (
@@ -67,9 +74,11 @@ class DecodeStats:
     rooms_failed: int = 0
     engine_notifications: int = 0
     control_notifications: int = 0
-    messages_out: int = 0
+    messages_out: int = 0  # every message sent: Hello, RegisterInfo, TransferRequest, Abort
+    requests_sent: int = 0  # TransferRequests among them
+    unfenced_releases: int = 0  # failed rooms whose slots the fence timeout released
     versions: list[str] = field(default_factory=list)  # agreed protocol version per prefill link
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # failed rooms with their reason, and anything odd
 
 
 class DecodeWorker:
@@ -81,15 +90,18 @@ class DecodeWorker:
         ctx: zmq.Context[Any],
         *,
         room_timeout_s: float = 30.0,
+        fence_timeout_s: float | None = None,
         on_finished: Callable[[int, RoomStatus, Failure | None], None] | None = None,
+        on_slots_released: Callable[[int], None] | None = None,
     ) -> None:
         self.identity = identity
         self.hello = identity.hello()
         self.caches = caches
         self.backend = backend
         self.ctx = ctx
-        self.session = DecodeSession(room_timeout_s)
+        self.session = DecodeSession(room_timeout_s, fence_timeout_s=fence_timeout_s)
         self.on_finished = on_finished
+        self.on_slots_released = on_slots_released
         self.stats = DecodeStats()
         self.endpoint = f"decode:{identity.engine_id}/{identity.tp_rank}"
         self._links: dict[PeerRef, _Link] = {}
@@ -121,6 +133,10 @@ class DecodeWorker:
         self._engines[engine_id] = prefill_tp
         return engine_id
 
+    def _send(self, sock: zmq.Socket[Any], frames: list[Any]) -> None:
+        sock.send_multipart(frames, copy=False)
+        self.stats.messages_out += 1
+
     def _recv(self, sock: zmq.Socket[Any], deadline: float, what: str, endpoint: str) -> wire.Message:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000)):
@@ -133,7 +149,7 @@ class DecodeWorker:
         sock.connect(endpoint)
         deadline = time.monotonic() + timeout_s
         try:
-            sock.send_multipart(wire.encode(self.hello))
+            self._send(sock, wire.encode(self.hello))
             theirs = self._recv(sock, deadline, "Hello", endpoint)
             if not isinstance(theirs, wire.Hello):
                 raise HandshakeError(f"{endpoint} answered a Hello with {type(theirs).__name__}")
@@ -156,7 +172,7 @@ class DecodeWorker:
                     f"RegisterInfo cannot be sent to {theirs.engine_id!r} at version "
                     f"{version[0]}.{version[1]}: {exc}"
                 ) from exc
-            sock.send_multipart(frames)
+            self._send(sock, frames)
             ack = self._recv(sock, deadline, "registration answer", endpoint)
             if version >= REGISTER_ACK_SINCE:
                 if not isinstance(ack, wire.RegisterAck):
@@ -212,8 +228,8 @@ class DecodeWorker:
                 is_dummy=plan.is_dummy,
                 state_indices=[] if plan.is_dummy else list(state_idx),
             )
-            link.sock.send_multipart(wire.encode(req, link.version), copy=False)
-            self.stats.messages_out += 1
+            self._send(link.sock, wire.encode(req, link.version))
+            self.stats.requests_sent += 1
         r.on_requests_sent()
 
     def abort(self, room: int, reason: str) -> None:
@@ -237,7 +253,7 @@ class DecodeWorker:
                 self.stats.failures.append(f"undecodable engine notification from {n.peer_agent_name}: {exc}")
                 continue
             self._on_notification(msg)
-        if self.session.rooms:
+        if self.session.rooms or self.session.quarantined:
             self._run(self.session.on_tick(time.monotonic()))
         return events
 
@@ -267,8 +283,10 @@ class DecodeWorker:
             elif isinstance(msg, wire.Notification):
                 self.stats.control_notifications += 1
                 self._on_notification(msg)
-            elif isinstance(msg, wire.AbortAck | wire.RegisterAck):
-                pass  # a released room or a repeated registration answer: nothing is waiting for it
+            elif isinstance(msg, wire.AbortAck):
+                self._run(self.session.on_abort_ack(int(msg.room), int(msg.sender_rank)))
+            elif isinstance(msg, wire.RegisterAck):
+                pass  # a repeated registration answer: nothing is waiting for it
             else:
                 self.stats.failures.append(f"unexpected {type(msg).__name__} from {link.peer}")
 
@@ -294,14 +312,26 @@ class DecodeWorker:
                 link = self._links.get(a.peer)
                 if link is not None:
                     abort = wire.Abort(room=a.room, sender=self.endpoint, reason=a.failure.reason)
-                    link.sock.send_multipart(wire.encode(abort, link.version))
+                    self._send(link.sock, wire.encode(abort, link.version))
             elif isinstance(a, ReleaseRoom):
                 if a.status is RoomStatus.SUCCESS:
                     self.stats.rooms_ok += 1
                 else:
                     self.stats.rooms_failed += 1
+                    reason = a.failure.reason if a.failure is not None else "no reason given"
+                    self.stats.failures.append(f"room {a.room}: {reason}")
                 if self.on_finished is not None:
                     self.on_finished(a.room, a.status, a.failure)
+            elif isinstance(a, ReleaseSlots):
+                if a.unfenced:
+                    # Never silent: a late write from these senders may still land in the slots.
+                    self.stats.unfenced_releases += 1
+                    self.stats.failures.append(
+                        f"room {a.room}: destination slots released after the fence timeout, unfenced by "
+                        + ", ".join(map(str, a.unfenced))
+                    )
+                if self.on_slots_released is not None:
+                    self.on_slots_released(a.room)
 
     def close(self) -> None:
         for link in self._links.values():

@@ -1,4 +1,6 @@
-"""Decode completion accounting: Success exactly when every (sender, component, chunk) arrived."""
+"""Decode completion accounting: Success exactly when every (sender, component, chunk) arrived;
+a failed room's slots are released exactly when every real sender fenced (or, loudly, at the
+fence timeout)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pdwire.runtime.session import (
     PartKind,
     PeerRef,
     ReleaseRoom,
+    ReleaseSlots,
     RoomStatus,
     SendAbort,
     SenderPlan,
@@ -62,9 +65,9 @@ def test_success_exactly_at_the_last_expected_completion(plan, rnd) -> None:
         if i < len(order) - 1:
             assert acts == [], f"finished early after {i + 1}/{len(order)}"
             assert room.status is RoomStatus.TRANSFERRING
-        else:
-            assert acts == [ReleaseRoom(ROOM, RoomStatus.SUCCESS, None)]
-    assert ROOM not in s.rooms
+        else:  # every write completed: the slots are the engine's at once
+            assert acts == [ReleaseRoom(ROOM, RoomStatus.SUCCESS, None), ReleaseSlots(ROOM)]
+    assert ROOM not in s.rooms and not s.quarantined
     assert s.on_notification(ROOM, *order[0]) == [] and s.stray_completions == 1
 
 
@@ -157,7 +160,8 @@ def test_peer_lost_fails_only_rooms_fed_by_that_peer() -> None:
     s.start_room(1, [SenderPlan(0, a, aux=True)], now=0.0)
     s.start_room(2, [SenderPlan(1, b, aux=True)], now=0.0)
     acts = s.on_peer_lost(a)
-    assert [x.room for x in acts] == [1] and acts[0].failure.kind is FailureKind.PEER_GONE  # type: ignore[union-attr]
+    assert [x.room for x in acts] == [1, 1] and acts[0].failure.kind is FailureKind.PEER_GONE  # type: ignore[union-attr]
+    assert acts[1] == ReleaseSlots(1)  # its only writer is gone: nothing can land any more
     assert list(s.rooms) == [2]
 
 
@@ -167,3 +171,115 @@ def test_bad_plans_are_refused() -> None:
         s.start_room(1, [SenderPlan(0, PeerRef("p", 0), is_dummy=True)], now=0.0)
     with pytest.raises(ValueError, match="aux"):
         s.start_room(1, [SenderPlan(0, PeerRef("p", 0))], now=0.0)
+
+
+TRIGGERS = ["timeout", "status", "abort", "unexpected", "peer_lost"]
+FENCES = ["failed_status", "success_status", "abort_ack", "peer_lost"]
+NOISE = ["late_completion", "dummy_ack", "unknown_ack", "non_final_status", "repeat_fence", "tick"]
+
+
+@given(plans(), st.sampled_from(TRIGGERS), st.randoms(use_true_random=False), st.data())
+def test_a_failed_rooms_slots_are_released_exactly_when_its_last_real_sender_fenced(
+    plan, trigger, rnd, data
+) -> None:
+    senders, owed = plan
+    s = DecodeSession(room_timeout_s=5.0, fence_timeout_s=10.0)
+    s.start_room(ROOM, senders, now=0.0)
+    arrived = data.draw(st.integers(0, len(owed) - 1))
+    for c in owed[:arrived]:
+        assert s.on_notification(ROOM, *c) == []
+    real = [p for p in senders if not p.is_dummy]
+    dummies = [p for p in senders if p.is_dummy]
+    fenced: set[int] = set()
+    if trigger == "timeout":
+        acts = s.on_tick(5.0)
+    elif trigger in ("status", "peer_lost"):
+        culprit = data.draw(st.sampled_from(real))
+        if trigger == "status":
+            acts = s.on_status(
+                ROOM, culprit.sender, RoomStatus.FAILED, Failure(FailureKind.ENGINE_ERROR, "x")
+            )
+        else:
+            acts = s.on_peer_lost(culprit.peer)
+        fenced.add(culprit.sender)  # its Failed is sent after its drain; a lost process writes nothing
+    elif trigger == "abort":
+        acts = s.abort(ROOM, Failure(FailureKind.ABORTED, "the engine gave up"))
+    else:
+        acts = s.on_notification(ROOM, 999, PartKind.KV, 0, True, 0)
+    rel = [a for a in acts if isinstance(a, ReleaseRoom)]
+    assert len(rel) == 1 and rel[0].status is RoomStatus.FAILED  # the engine learns at once
+    assert ROOM not in s.rooms and s.tombstones[ROOM] is RoomStatus.FAILED
+    with pytest.raises(DuplicateRoomError):
+        s.start_room(ROOM, senders, now=1.0)  # the id stays taken
+    if {p.sender for p in real} <= fenced:
+        assert acts[-1] == ReleaseSlots(ROOM)  # nobody left who could write
+        return
+    assert not any(isinstance(a, ReleaseSlots) for a in acts) and ROOM in s.quarantined
+    waiting = [p for p in real if p.sender not in fenced]
+    rnd.shuffle(waiting)
+    stray = 0
+    for i, p in enumerate(waiting):
+        for _ in range(data.draw(st.integers(0, 2))):  # anything else that may arrive meanwhile
+            noise = data.draw(st.sampled_from(NOISE))
+            if noise == "late_completion":
+                acts = s.on_notification(ROOM, *data.draw(st.sampled_from(owed)))
+                stray += 1
+            elif noise == "dummy_ack" and dummies:
+                acts = s.on_abort_ack(ROOM, dummies[0].sender)
+            elif noise == "non_final_status":
+                acts = s.on_status(ROOM, p.sender, RoomStatus.TRANSFERRING, None)
+            elif noise == "repeat_fence" and fenced:
+                acts = s.on_abort_ack(ROOM, next(iter(fenced)))
+            elif noise == "tick":
+                acts = s.on_tick(14.99)  # before the fence timeout
+            else:
+                acts = s.on_abort_ack(ROOM, 999)
+            assert acts == [], noise
+        how = data.draw(st.sampled_from(FENCES))
+        if how == "failed_status":
+            acts = s.on_status(ROOM, p.sender, RoomStatus.FAILED, Failure(FailureKind.ABORTED, "aborted"))
+        elif how == "success_status":
+            acts = s.on_status(ROOM, p.sender, RoomStatus.SUCCESS, None)
+        elif how == "abort_ack":
+            acts = s.on_abort_ack(ROOM, p.sender)
+        else:
+            acts = s.on_peer_lost(p.peer)
+        fenced.add(p.sender)
+        if i < len(waiting) - 1:
+            assert acts == [], f"slots released with {len(waiting) - 1 - i} sender(s) unfenced"
+        else:
+            assert acts == [ReleaseSlots(ROOM)]
+    assert not s.quarantined
+    assert s.stray_completions == stray  # late completions of a quarantined room are stray, no failure
+    assert s.on_abort_ack(ROOM, waiting[0].sender) == [] and s.on_tick(1e9) == []  # released once
+
+
+def test_a_silent_sender_is_given_up_on_at_the_fence_timeout_and_named() -> None:
+    s = DecodeSession(room_timeout_s=5.0, fence_timeout_s=10.0)
+    p0, p1, p2 = PeerRef("p", 0), PeerRef("p", 1), PeerRef("p", 2)
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True), SenderPlan(1, p1), SenderPlan(2, p2, True)], now=100.0)
+    fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
+    acts = s.on_status(ROOM, 0, RoomStatus.FAILED, fail)
+    assert acts == [
+        SendAbort(p1, ROOM, fail),
+        SendAbort(p2, ROOM, fail),
+        ReleaseRoom(ROOM, RoomStatus.FAILED, fail),
+    ]
+    assert s.on_tick(114.99) == []  # fence_timeout_s past the room's own deadline (105)
+    assert s.on_tick(115.0) == [ReleaseSlots(ROOM, (p1,))]  # p1 never answered; dummy p2 needs no fence
+    assert not s.quarantined
+    assert s.on_abort_ack(ROOM, 1) == []  # too late to matter: released once
+
+
+def test_the_fence_timeout_defaults_to_twice_the_room_timeout() -> None:
+    assert DecodeSession(room_timeout_s=7.0).fence_timeout_s == 14.0
+
+
+def test_a_sender_that_succeeded_before_another_failed_the_room_is_already_fenced() -> None:
+    s = DecodeSession()
+    p0, p1 = PeerRef("p", 0), PeerRef("p", 1)
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True), SenderPlan(1, p1)], now=0.0)
+    assert s.on_status(ROOM, 1, RoomStatus.SUCCESS, None) == []  # all of p1's writes completed
+    fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
+    acts = s.on_status(ROOM, 0, RoomStatus.FAILED, fail)
+    assert acts[-2:] == [ReleaseRoom(ROOM, RoomStatus.FAILED, fail), ReleaseSlots(ROOM)]
