@@ -96,6 +96,8 @@ class Cluster:
         # (prefill engine, rank) -> room -> (first post, last completion), perf_counter seconds
         self.spans: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
         self.prefill_done: dict[tuple[str, int], dict[int, tuple[str, str]]] = {}
+        # (decode engine, rank) -> room -> perf_counter when the rank got the room's slots back
+        self.slots_released: dict[tuple[str, int], dict[int, float]] = {}
 
     # ------------------------------------------------------------------ processes
 
@@ -191,6 +193,17 @@ class Cluster:
         self._pump(done, timeout_s, f"rooms {[r.room for r in rooms[:4]]}...")
         return rooms
 
+    def wait_slots_released(self, decode: Group, room: int, timeout_s: float) -> dict[int, float]:
+        """Wait until every live rank of ``decode`` got ``room``'s destination slots back (after a
+        failure: once every prefill rank fenced it); returns rank -> perf_counter of the release."""
+        live = [r for r in range(decode.tp) if decode.procs[r].is_alive()]
+
+        def released() -> bool:
+            return all(room in self.slots_released.get((decode.engine_id, r), {}) for r in live)
+
+        self._pump(released, timeout_s, f"{decode.engine_id} slots of room {room}")
+        return {r: self.slots_released[(decode.engine_id, r)][room] for r in live}
+
     def data_spans(
         self, prefill: Group, rooms: Sequence[int], timeout_s: float = 30.0
     ) -> list[tuple[float, float]]:
@@ -232,6 +245,9 @@ class Cluster:
             _, rank, room, status, reason, span = msg
             self.prefill_done.setdefault((g.engine_id, rank), {})[room] = (status, reason)
             self.spans.setdefault((g.engine_id, rank), {})[room] = (span[0], span[1])
+        elif kind == "slots_released":
+            _, rank, room, at = msg
+            self.slots_released.setdefault((g.engine_id, rank), {})[room] = at
         elif kind == "final":
             _, _, rank, stats, problems = msg
             g.finals[rank] = (stats, problems)

@@ -179,25 +179,38 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
     backend, caches, ident = _setup(cfg, wire.Role.DECODE)
     fill_sentinel(caches)
     pool = _Pool(cfg.capacity, cfg.seed * 104729 + cfg.rank)
-    rooms: dict[int, tuple[RoomSlots, int, float]] = {}
-    quarantine: list[RoomSlots] = []
+    rooms: dict[int, tuple[RoomSlots, int, float]] = {}  # until the worker releases their slots
+    fenced: set[int] = set()  # failed rooms whose senders may still write: never checked
 
     def finished(room: int, status: RoomStatus, failure: Failure | None) -> None:
-        slots, tokens, t0 = rooms.pop(room)
+        slots, tokens, t0 = rooms[room]
         latency = time.perf_counter() - t0
         problems: list[str] = []
         if status is RoomStatus.SUCCESS:
             problems = verify(caches, slots, full_tensors(cfg.spec, cfg.seed, room, tokens))
-            reset(caches, slots)
-            pool.give(slots)
         else:
-            quarantine.append(slots)  # a late write may still land there: never reuse, never check
+            fenced.add(room)
         reason = failure.reason if failure else ""
         conn.send(("room_done", cfg.rank, room, status.name, reason, latency, problems, False, t0))
 
+    def slots_released(room: int) -> None:
+        # Nothing writes into the slots any more (for a failed room: every prefill rank said so,
+        # or the fence timed out, which the worker counts): wipe what landed and reuse them.
+        slots, _, _ = rooms.pop(room)
+        fenced.discard(room)
+        reset(caches, slots)
+        pool.give(slots)
+        conn.send(("slots_released", cfg.rank, room, time.perf_counter()))
+
     ctx: zmq.Context[Any] = zmq.Context()
     worker = DecodeWorker(
-        ident, caches, backend, ctx, room_timeout_s=cfg.room_timeout_s, on_finished=finished
+        ident,
+        caches,
+        backend,
+        ctx,
+        room_timeout_s=cfg.room_timeout_s,
+        on_finished=finished,
+        on_slots_released=slots_released,
     )
     conn.send(("ready", cfg.rank, worker.endpoint))
     worker.poller.register(conn.fileno(), zmq.POLLIN)
@@ -224,8 +237,8 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
                         ("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, [], True, 0.0)
                     )
             elif cmd[0] == "stop":
-                for s in quarantine:
-                    reset(caches, s)
+                for room in fenced:
+                    reset(caches, rooms[room][0])
                 problems = untouched_problems(caches)
                 conn.send(("final", "decode", cfg.rank, asdict(worker.stats), problems))
                 worker.close()

@@ -1,8 +1,10 @@
-"""Failures across processes: a killed peer, a duplicate room, version skew.
+"""Failures across processes: a killed peer, a duplicate room, version skew, slots of a failed
+room reused.
 
 One local-backend cluster for the module; every case uses its own engines so that a killed
 process or a refused peer cannot leak into another case. The killed-peer cases also run
-over Mooncake (ranks of another backend start from the same cluster, with ``backend=``).
+over Mooncake, the reused-slots case over NIXL (ranks of another backend start from the same
+cluster, with ``backend=``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import replace
 
 import pytest
 from pdwire.runtime.demo_cluster import Cluster, RoomResult
+from pdwire.runtime.demo_content import pages_for
+from pdwire.runtime.demo_model import Capacity
 
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 
@@ -83,6 +87,36 @@ def test_prefill_killed_mid_transfer_decode_fails_within_timeout_and_keeps_servi
     _ok(cluster, [cluster.submit(dec, spare_pre, 11, 30)])  # the decode rank keeps serving
     stats, problems = cluster.stop(dec)[0]
     assert problems == [] and stats["rooms_failed"] == 1 and stats["rooms_ok"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "nixl"])
+def test_a_timed_out_rooms_slots_come_back_after_prefill_fenced_and_verify_when_reused(
+    cluster: Cluster, backend: str
+) -> None:
+    tokens = 48  # 12 pages: 12 chunks, one every 250 ms
+    pages, swa = pages_for(SPEC, tokens)
+    one_room = Capacity(pages=pages, slots=2, swa_pages=swa, aux_items=1)  # Mamba slot 0 is the dummy
+    pre = cluster.start("prefill", 1, f"fence-pre-{backend}", backend=backend, **SLOW)
+    dec = cluster.start("decode", 1, f"fence-dec-{backend}", backend=backend, capacity=one_room)
+    assert cluster.connect(dec, pre) == [""]
+    doomed = cluster.submit(dec, pre, 1, tokens, timeout_s=1.0)  # decode gives up mid-transfer
+    (r,) = cluster.wait_rooms([doomed], TIMEOUT + 10)
+    assert r.statuses == {0: "FAILED"} and r.reasons[0].startswith("timeout:"), r.reasons
+    released_at = cluster.wait_slots_released(dec, 1, TIMEOUT + 10)[0]
+    done = cluster.prefill_done
+    cluster._pump(lambda: 1 in done.get((pre.engine_id, 0), {}), 10, "prefill release")
+    status, reason = done[(pre.engine_id, 0)][1]
+    assert status == "FAILED" and reason.startswith("aborted:"), reason
+    first_post, last_final = cluster.spans[(pre.engine_id, 0)][1]
+    assert 0 < first_post <= last_final <= released_at  # slots back only after prefill's last transfer ended
+    # The only slots this decode rank has: a new room must reuse every one of them.
+    _ok(cluster, [cluster.submit(dec, pre, 2, tokens, timeout_s=30)])
+    stats, problems = cluster.stop(dec)[0]
+    assert problems == []  # no byte outside a verified room changed
+    assert stats["unfenced_releases"] == 0 and stats["rooms_failed"] == 1 and stats["rooms_ok"] == 1
+    assert [f.split(":")[:2] for f in stats["failures"]] == [["room 1", " timeout"]]
+    cluster.stop(pre)
 
 
 @pytest.mark.slow
