@@ -83,10 +83,22 @@ def validate_memory(memory: RankMemory, side: str) -> None:
         if not component.tensors:
             raise GeometryMismatch(f"{side}: a state component needs at least one tensor", component=name)
         layers = component.num_layers
-        if component.layer_ids is not None and len(component.layer_ids) != layers:
+        if component.layer_ids is None and pos.pp_size > 1:
+            # None means layers 0..n-1, which is wrong for every stage but the first and
+            # ambiguous for that one: two stages would both claim layer 0
             raise GeometryMismatch(
-                f"{side}: {len(component.layer_ids)} layer ids for {layers} layers", component=name
+                f"{side}: PP stage {pos.pp_rank} of {pos.pp_size} must give the layer ids of its state",
+                component=name,
             )
+        if component.layer_ids is not None:
+            if len(component.layer_ids) != layers:
+                raise GeometryMismatch(
+                    f"{side}: {len(component.layer_ids)} layer ids for {layers} layers", component=name
+                )
+            if len(set(component.layer_ids)) != layers or min(component.layer_ids, default=0) < 0:
+                raise GeometryMismatch(
+                    f"{side}: layer ids must be distinct and >= 0, got {component.layer_ids}", component=name
+                )
         if component.replicated and component.heads is not None:
             raise PlanError(
                 f"{side}: a component is either replicated or head-sharded, not both", component=name

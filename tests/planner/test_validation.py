@@ -161,6 +161,30 @@ def test_topology_errors() -> None:
     assert caught.value.layer == 3
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_pp_stage_must_name_its_state_layers(side: str) -> None:
+    # layer_ids None means 0..n-1: from PP stage 1 that would land on stage 0's layers, and two
+    # stages writing one decode rank would both claim layer 0
+    staged = rank(1, 0, state=(mamba(1),), pp_size=2, pp_rank=1)
+    whole = rank(1, 0, state=(mamba(1, layers=4),))
+    src, dst = (staged, whole) if side == "prefill" else (whole, staged)
+    with pytest.raises(GeometryMismatch, match=f"{side}: PP stage 1 of 2 must give the layer ids"):
+        prepare_peer(src, dst)
+    named = replace(staged, state=(replace(staged.state[0], layer_ids=(2, 3)),))
+    repeated = replace(staged, state=(replace(staged.state[0], layer_ids=(2, 2)),))
+    with pytest.raises(GeometryMismatch, match="layer ids must be distinct"):
+        prepare_peer(repeated, whole)
+    if side == "prefill":  # stage 1's layers 2 and 3 land on the whole decode rank's entries 2 and 3
+        table = prepare_peer(named, whole).plan_state([[0]], [[1]])[0].table
+        conv = whole.state[0].tensors[0]
+        hit = [
+            layer
+            for layer, (base, length) in enumerate(zip(conv.base_addrs, conv.region_lens, strict=True))
+            if any(base <= int(a) < base + length for a in table.dst_addr)
+        ]
+        assert hit == [2, 3]
+
+
 def test_component_lists_must_match_by_kind_and_count() -> None:
     with pytest.raises(GeometryMismatch, match="component kind differs"):
         prepare_peer(rank(1, 0, state=(paged(StateKind.SWA),)), rank(1, 0, state=(paged(StateKind.DSA),)))
