@@ -20,13 +20,14 @@ from pdwire.wirecore.negotiate import negotiate
 from . import v1_0 as _v1_0
 from . import v1_1 as _v1_1
 from . import v1_2 as _v1_2
+from . import v1_3 as _v1_3
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1
-VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), )
+VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3), )
 """Every version this build reads and writes, oldest first."""
 NEWEST = VERSIONS[-1]
-SUPPORTED: tuple[tuple[int, int], ...] = ((1, 2), )
+SUPPORTED: tuple[tuple[int, int], ...] = ((1, 3), )
 """Highest minor per major, as a Hello advertises it."""
 
 
@@ -221,12 +222,106 @@ def _down_v1_1_TransferStatus(m: _v1_2.TransferStatus) -> _v1_1.TransferStatus:
     )
 
 
+def _up_v1_3_StateComponent(m: _v1_2.StateComponent) -> _v1_3.StateComponent:
+    return _v1_3.StateComponent(
+        type=_v1_3.StateType(int(m.type)),
+        base_addrs=m.base_addrs,
+        region_lens=m.region_lens,
+        bytes_per_slot=m.bytes_per_slot,
+        shard_axis_sizes=m.shard_axis_sizes,
+        sub_blocks=m.sub_blocks,
+        mem_descs=m.mem_descs,
+        tensor_names=m.tensor_names,
+        indexing=m.indexing,
+        sharding=m.sharding,
+        heads=m.heads,
+        **_mig.upgrade_StateComponent_1_3(m, _v1_3),
+    )
+
+
+def _down_v1_2_StateComponent(m: _v1_3.StateComponent) -> _v1_2.StateComponent:
+    return _v1_2.StateComponent(
+        type=_enum_down(_v1_2.StateType, m.type, 'StateComponent.type'),
+        base_addrs=m.base_addrs,
+        region_lens=m.region_lens,
+        bytes_per_slot=m.bytes_per_slot,
+        shard_axis_sizes=m.shard_axis_sizes,
+        sub_blocks=m.sub_blocks,
+        mem_descs=m.mem_descs,
+        tensor_names=m.tensor_names,
+        indexing=m.indexing,
+        sharding=m.sharding,
+        heads=m.heads,
+        **_mig.downgrade_StateComponent_1_2(m, _v1_2),
+    )
+
+
+def _up_v1_3_RegisterInfo(m: _v1_2.RegisterInfo) -> _v1_3.RegisterInfo:
+    return _v1_3.RegisterInfo(
+        endpoint=m.endpoint,
+        engine_id=m.engine_id,
+        agent_name=m.agent_name,
+        agent_metadata=m.agent_metadata,
+        geometry=m.geometry,
+        first_layer=m.first_layer,
+        num_layers=m.num_layers,
+        k_base_addrs=m.k_base_addrs,
+        v_base_addrs=m.v_base_addrs,
+        bytes_per_page=m.bytes_per_page,
+        region_lens=m.region_lens,
+        num_pages=m.num_pages,
+        page_size=m.page_size,
+        kv_layout=m.kv_layout,
+        kv_heads_per_rank=m.kv_heads_per_rank,
+        kv_heads_total=m.kv_heads_total,
+        bytes_per_head=m.bytes_per_head,
+        is_mla=m.is_mla,
+        aux_base_addrs=m.aux_base_addrs,
+        aux_lens=m.aux_lens,
+        aux_item_lens=m.aux_item_lens,
+        kv_mem_descs=m.kv_mem_descs,
+        state_components=[_up_v1_3_StateComponent(e0) for e0 in m.state_components],
+        aux_mem_descs=m.aux_mem_descs,
+    )
+
+
+def _down_v1_2_RegisterInfo(m: _v1_3.RegisterInfo) -> _v1_2.RegisterInfo:
+    return _v1_2.RegisterInfo(
+        endpoint=m.endpoint,
+        engine_id=m.engine_id,
+        agent_name=m.agent_name,
+        agent_metadata=m.agent_metadata,
+        geometry=m.geometry,
+        first_layer=m.first_layer,
+        num_layers=m.num_layers,
+        k_base_addrs=m.k_base_addrs,
+        v_base_addrs=m.v_base_addrs,
+        bytes_per_page=m.bytes_per_page,
+        region_lens=m.region_lens,
+        num_pages=m.num_pages,
+        page_size=m.page_size,
+        kv_layout=m.kv_layout,
+        kv_heads_per_rank=m.kv_heads_per_rank,
+        kv_heads_total=m.kv_heads_total,
+        bytes_per_head=m.bytes_per_head,
+        is_mla=m.is_mla,
+        aux_base_addrs=m.aux_base_addrs,
+        aux_lens=m.aux_lens,
+        aux_item_lens=m.aux_item_lens,
+        kv_mem_descs=m.kv_mem_descs,
+        state_components=[_down_v1_2_StateComponent(e0) for e0 in m.state_components],
+        aux_mem_descs=m.aux_mem_descs,
+    )
+
+
 _UP: dict[tuple[str, tuple[int, int]], _env.Step] = {
     ("RegisterInfo", (1, 1)): _up_v1_1_RegisterInfo,
     ("TransferRequest", (1, 1)): _up_v1_1_TransferRequest,
     ("StateComponent", (1, 2)): _up_v1_2_StateComponent,
     ("RegisterInfo", (1, 2)): _up_v1_2_RegisterInfo,
     ("TransferStatus", (1, 2)): _up_v1_2_TransferStatus,
+    ("StateComponent", (1, 3)): _up_v1_3_StateComponent,
+    ("RegisterInfo", (1, 3)): _up_v1_3_RegisterInfo,
 }
 _DOWN: dict[tuple[str, tuple[int, int]], _env.Step] = {
     ("RegisterInfo", (1, 0)): _down_v1_0_RegisterInfo,
@@ -234,6 +329,8 @@ _DOWN: dict[tuple[str, tuple[int, int]], _env.Step] = {
     ("StateComponent", (1, 1)): _down_v1_1_StateComponent,
     ("RegisterInfo", (1, 1)): _down_v1_1_RegisterInfo,
     ("TransferStatus", (1, 1)): _down_v1_1_TransferStatus,
+    ("StateComponent", (1, 2)): _down_v1_2_StateComponent,
+    ("RegisterInfo", (1, 2)): _down_v1_2_RegisterInfo,
 }
 
 REGISTRY = _env.Registry(
@@ -243,22 +340,23 @@ REGISTRY = _env.Registry(
         _v1_0.VERSION: _v1_0.CODECS,
         _v1_1.VERSION: _v1_1.CODECS,
         _v1_2.VERSION: _v1_2.CODECS,
+        _v1_3.VERSION: _v1_3.CODECS,
     },
     up=_UP,
     down=_DOWN,
     frozen_types=frozenset({1}),
 )
 
-Message = _v1_2.Message
+Message = _v1_3.Message
 """Any top-level message of the newest model."""
 
 
-def hello_versions() -> list[_v1_2.Version]:
+def hello_versions() -> list[_v1_3.Version]:
     """This build's supported versions, as a Hello carries them."""
-    return [_v1_2.Version(major=major, minor=minor) for major, minor in SUPPORTED]
+    return [_v1_3.Version(major=major, minor=minor) for major, minor in SUPPORTED]
 
 
-def agree(local: _v1_2.Hello, remote: _v1_2.Hello) -> tuple[int, int]:
+def agree(local: _v1_3.Hello, remote: _v1_3.Hello) -> tuple[int, int]:
     """The version two peers use after exchanging Hellos; a typed error naming both sides otherwise."""
     if remote.protocol != local.protocol:
         raise ProtocolNameMismatch(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdwire.wirecore import arrays as _a
 
-from . import v1_0, v1_1, v1_2
+from . import v1_0, v1_1, v1_2, v1_3
 
 _text = st.text(max_size=12)
 _blob = st.binary(max_size=24)
@@ -497,6 +497,177 @@ def v1_2_RegisterAck() -> st.SearchStrategy[v1_2.RegisterAck]:
     )
 
 
+def v1_3_Version() -> st.SearchStrategy[v1_3.Version]:
+    return st.builds(
+        v1_3.Version,
+        major=st.integers(0, 65535),
+        minor=st.integers(0, 65535),
+    )
+
+
+def v1_3_ParallelGeometry() -> st.SearchStrategy[v1_3.ParallelGeometry]:
+    return st.builds(
+        v1_3.ParallelGeometry,
+        tp_size=st.integers(0, 4294967295),
+        tp_rank=st.integers(0, 4294967295),
+        pp_size=st.integers(0, 4294967295),
+        pp_rank=st.integers(0, 4294967295),
+        cp_size=st.integers(0, 4294967295),
+        cp_rank=st.integers(0, 4294967295),
+        dp_size=st.integers(0, 4294967295),
+        dp_rank=st.integers(0, 4294967295),
+    )
+
+
+def v1_3_ModelFingerprint() -> st.SearchStrategy[v1_3.ModelFingerprint]:
+    return st.builds(
+        v1_3.ModelFingerprint,
+        model_name=_text,
+        revision=_text,
+        dtype=_text,
+        num_layers=st.integers(0, 4294967295),
+        num_attention_layers=st.integers(0, 4294967295),
+        num_state_layers=st.integers(0, 4294967295),
+    )
+
+
+def v1_3_Hello() -> st.SearchStrategy[v1_3.Hello]:
+    return st.builds(
+        v1_3.Hello,
+        protocol=_text,
+        versions=st.lists(v1_3_Version(), max_size=4),
+        role=st.sampled_from(v1_3.Role),
+        engine_id=_text,
+        geometry=v1_3_ParallelGeometry(),
+        model=v1_3_ModelFingerprint(),
+        capabilities=st.lists(_text, max_size=4),
+    )
+
+
+def v1_3_HeadSharding() -> st.SearchStrategy[v1_3.HeadSharding]:
+    return st.builds(
+        v1_3.HeadSharding,
+        page_size=st.integers(0, 4294967295),
+        layout=st.sampled_from(v1_3.KvLayout),
+        kv_heads_per_rank=st.integers(0, 4294967295),
+        kv_heads_total=st.integers(0, 4294967295),
+        bytes_per_head=st.integers(0, 4294967295),
+    )
+
+
+def v1_3_StateComponent() -> st.SearchStrategy[v1_3.StateComponent]:
+    return st.builds(
+        v1_3.StateComponent,
+        type=st.sampled_from(v1_3.StateType),
+        base_addrs=_array(_a.U64),
+        region_lens=_array(_a.U64),
+        bytes_per_slot=_array(_a.U64),
+        shard_axis_sizes=_array(_a.U64),
+        sub_blocks=st.lists(_array(_a.U64), max_size=4),
+        mem_descs=st.lists(_blob, max_size=4),
+        tensor_names=st.lists(_text, max_size=4),
+        indexing=st.sampled_from(v1_3.StateIndexing),
+        sharding=st.sampled_from(v1_3.StateSharding),
+        heads=st.none() | v1_3_HeadSharding(),
+        layer_ids=_array(_a.U32),
+    )
+
+
+def v1_3_RegisterInfo() -> st.SearchStrategy[v1_3.RegisterInfo]:
+    return st.builds(
+        v1_3.RegisterInfo,
+        endpoint=_text,
+        engine_id=_text,
+        agent_name=_text,
+        agent_metadata=_blob,
+        geometry=v1_3_ParallelGeometry(),
+        first_layer=st.integers(0, 4294967295),
+        num_layers=st.integers(0, 4294967295),
+        k_base_addrs=_array(_a.U64),
+        v_base_addrs=_array(_a.U64),
+        bytes_per_page=_array(_a.U64),
+        region_lens=_array(_a.U64),
+        num_pages=st.integers(0, 18446744073709551615),
+        page_size=st.integers(0, 4294967295),
+        kv_layout=st.sampled_from(v1_3.KvLayout),
+        kv_heads_per_rank=st.integers(0, 4294967295),
+        kv_heads_total=st.integers(0, 4294967295),
+        bytes_per_head=st.integers(0, 4294967295),
+        is_mla=st.booleans(),
+        aux_base_addrs=_array(_a.U64),
+        aux_lens=_array(_a.U64),
+        aux_item_lens=_array(_a.U64),
+        kv_mem_descs=st.lists(_blob, max_size=4),
+        state_components=st.lists(v1_3_StateComponent(), max_size=4),
+        aux_mem_descs=st.lists(_blob, max_size=4),
+    )
+
+
+def v1_3_TransferRequest() -> st.SearchStrategy[v1_3.TransferRequest]:
+    return st.builds(
+        v1_3.TransferRequest,
+        room=st.integers(0, 18446744073709551615),
+        sender=_text,
+        dst_kv_indices=_array(_a.I32),
+        dst_aux_index=st.integers(-2147483648, 2147483647),
+        required_dst_info_num=st.integers(0, 4294967295),
+        decode_prefix_len=st.integers(0, 18446744073709551615),
+        is_dummy=st.booleans(),
+        state_indices=st.lists(st.none() | _array(_a.I32), max_size=4),
+    )
+
+
+def v1_3_TransferStatus() -> st.SearchStrategy[v1_3.TransferStatus]:
+    return st.builds(
+        v1_3.TransferStatus,
+        room=st.integers(0, 18446744073709551615),
+        status=st.sampled_from(v1_3.Status),
+        sender_rank=st.integers(0, 4294967295),
+        reason=_text,
+        failure_kind=st.sampled_from(v1_3.FailureKind),
+    )
+
+
+def v1_3_Notification() -> st.SearchStrategy[v1_3.Notification]:
+    return st.builds(
+        v1_3.Notification,
+        room=st.integers(0, 18446744073709551615),
+        kind=st.sampled_from(v1_3.NotificationKind),
+        chunk_id=st.integers(0, 4294967295),
+        is_last=st.booleans(),
+        sender_rank=st.integers(0, 4294967295),
+        component=st.integers(0, 4294967295),
+        expected_consumers=st.integers(0, 4294967295),
+    )
+
+
+def v1_3_Abort() -> st.SearchStrategy[v1_3.Abort]:
+    return st.builds(
+        v1_3.Abort,
+        room=st.integers(0, 18446744073709551615),
+        sender=_text,
+        reason=_text,
+    )
+
+
+def v1_3_AbortAck() -> st.SearchStrategy[v1_3.AbortAck]:
+    return st.builds(
+        v1_3.AbortAck,
+        room=st.integers(0, 18446744073709551615),
+        sender_rank=st.integers(0, 4294967295),
+    )
+
+
+def v1_3_RegisterAck() -> st.SearchStrategy[v1_3.RegisterAck]:
+    return st.builds(
+        v1_3.RegisterAck,
+        accepted=st.booleans(),
+        sender_rank=st.integers(0, 4294967295),
+        failure_kind=st.sampled_from(v1_3.FailureKind),
+        reason=_text,
+    )
+
+
 STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]]] = {
     (1, 0): {
         "Hello": v1_0_Hello,
@@ -525,5 +696,15 @@ STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]
         "Abort": v1_2_Abort,
         "AbortAck": v1_2_AbortAck,
         "RegisterAck": v1_2_RegisterAck,
+    },
+    (1, 3): {
+        "Hello": v1_3_Hello,
+        "RegisterInfo": v1_3_RegisterInfo,
+        "TransferRequest": v1_3_TransferRequest,
+        "TransferStatus": v1_3_TransferStatus,
+        "Notification": v1_3_Notification,
+        "Abort": v1_3_Abort,
+        "AbortAck": v1_3_AbortAck,
+        "RegisterAck": v1_3_RegisterAck,
     },
 }

@@ -652,7 +652,9 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter
 
 
 class TransferStatus(msgspec.Struct, kw_only=True):
-    """Prefill -> decode."""
+    """Prefill -> decode. From 1.3 a Failed status is sent only once none of the room's writes is in
+    flight any more (a fence).
+    """
 
     room: int
     status: Status
@@ -832,7 +834,9 @@ def _fdec_Abort(w: _W_Abort, f: _a.Frames, k: _a.SideCounter) -> Abort:
 
 
 class AbortAck(msgspec.Struct, kw_only=True):
-    """Prefill -> decode; the room is released."""
+    """Prefill -> decode; the room is released. From 1.3 it is sent only once none of the room's writes
+    is in flight any more (a fence, like a Failed status).
+    """
 
     room: int
     sender_rank: int = 0

@@ -532,7 +532,9 @@ _fdec_TransferRequest = _prev._fdec_TransferRequest
 
 
 class TransferStatus(msgspec.Struct, kw_only=True):
-    """Prefill -> decode."""
+    """Prefill -> decode. From 1.3 a Failed status is sent only once none of the room's writes is in
+    flight any more (a fence).
+    """
 
     room: int
     status: Status

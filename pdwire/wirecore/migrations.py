@@ -22,6 +22,12 @@ hook cannot rewrite; the runtime writes that form for older peers) and non-empty
 cannot rewrite a field both versions share (the generator copies shared fields verbatim),
 so the runtime writes the 1.1 form itself when it agreed on 1.1. Refusing instead of
 dropping keeps a peer from silently losing the descriptors of its aux buffers.
+
+1.2 -> 1.3: additions only (StateComponent.layer_ids, StateType nsa, and the fence promise,
+which is behaviour, not bytes). Upgrading fills the default (no layer ids: layers 0..n-1).
+Downgrading drops layer ids that say exactly that and refuses any others: a 1.2 reader would
+place the entries on layers 0..n-1, which for a PP stage are another stage's layers. The
+generated step refuses nsa by itself (an enum value 1.2 does not have).
 """
 
 from __future__ import annotations
@@ -131,5 +137,21 @@ def downgrade_TransferStatus_1_1(msg: Any, old: ModuleType) -> dict[str, Any]:
             'a 1.1 writer prefixes the reason with "<kind>: " and leaves failure_kind unspecified',
             message="TransferStatus",
             field="failure_kind",
+        )
+    return {}
+
+
+def upgrade_StateComponent_1_3(old: Any, new: ModuleType) -> dict[str, Any]:
+    return {}  # no layer ids: layers 0..n-1, which is what a 1.2 component meant
+
+
+def downgrade_StateComponent_1_2(msg: Any, old: ModuleType) -> dict[str, Any]:
+    ids = msg.layer_ids
+    if len(ids) and [int(x) for x in ids] != list(range(len(ids))):
+        raise DowngradeError(
+            f"layer ids {[int(x) for x in ids]} cannot be carried by version 1.2, which places a "
+            "component's entries on layers 0..n-1",
+            message="StateComponent",
+            field="layer_ids",
         )
     return {}

@@ -10,6 +10,7 @@ import pdwire.wire as w
 import pytest
 
 from tests.golden.freeze import to_json
+from tests.wire.compat import is_newer_enum_value
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "pdwire"
 CASES = sorted(GOLDEN.glob("*/*.json"))
@@ -57,7 +58,11 @@ def test_golden_decodes_with_current_code(path: Path) -> None:
                 with pytest.raises(w.UnknownMessageType, match=f"type {twin['type_id']}"):
                     old_module.decode(frames)
                 continue
-            old_view = old_module.decode(frames)
+            try:
+                old_view = old_module.decode(frames)
+            except w.BadEnumValue as e:  # an enum value the older minor lacks (tests/wire/compat.py)
+                assert is_newer_enum_value(e, version, older), str(e)
+                continue
             assert type(old_view).__name__ == twin["message"]
             _assert_known_part_equal(to_json(old_view), twin["value"], twin["message"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,11 @@ def _with_abort(fields: str, extra_versions: str = "", reserved: str = "") -> st
     return text
 
 
-V13 = '  - version: "1.3"\n'
+_LAST = load_text(BASE, "schema/pdwire.yaml").versions[-1].version
+NEXT = f"{_LAST[0]}.{_LAST[1] + 1}"  # the minor after the schema's newest, for evolution tests
+V_NEXT = f'  - version: "{NEXT}"\n'
+CODE = f'      - {{id: 3, name: code, type: u32, default: 0, since: "{NEXT}"}}\n'
+CODE_REQUIRED = CODE.replace("default: 0, ", "")
 V20 = '  - version: "2.0"\n'
 ROOM = "      - {id: 0, name: room, type: u64}\n"
 SENDER = "      - {id: 1, name: sender, type: str}\n"
@@ -63,9 +68,9 @@ def _load(text: str) -> object:
             r"message Abort: field ids must be contiguous from 0; missing \[2\]",
         ),
         (
-            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, since: "1.3"}\n',
-            V13,
-            r"field code \(id 3\): added in minor 1\.3 without a default",
+            ROOM + SENDER + REASON + CODE_REQUIRED,
+            V_NEXT,
+            rf"field code \(id 3\): added in minor {re.escape(NEXT)} without a default",
         ),
         (
             ROOM + SENDER + "      - {id: 2, name: reason, type: u8, default: 300}\n",
@@ -111,11 +116,9 @@ def _diff(old: str, new: str) -> list[str]:
 
 def test_unchanged_and_compatible_changes_pass() -> None:
     assert _diff(BASE, BASE) == []
-    added = _with_abort(
-        ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n', V13
-    )
+    added = _with_abort(ROOM + SENDER + REASON + CODE, V_NEXT)
     assert _diff(BASE, added) == []
-    reserved = _with_abort(ROOM + SENDER + REASON.replace("}", ', removed: "1.3"}'), V13)
+    reserved = _with_abort(ROOM + SENDER + REASON.replace("}", f', removed: "{NEXT}"}}'), V_NEXT)
     assert _diff(BASE, reserved) == []
 
 
@@ -129,8 +132,8 @@ def test_unchanged_and_compatible_changes_pass() -> None:
         (_with_abort(ROOM + SENDER), "field reason (id 2): removed without reserving its id and name"),
         (
             _with_abort(
-                ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n',
-                V13,
+                ROOM + SENDER + REASON + CODE,
+                V_NEXT,
             ).replace("default: 0, since", "since"),
             None,
         ),
@@ -172,9 +175,7 @@ def test_required_field_added_in_a_minor_is_breaking_in_the_diff() -> None:
 
     old = load_text(BASE, "old.yaml")
     new = load_text(
-        _with_abort(
-            ROOM + SENDER + REASON + '      - {id: 3, name: code, type: u32, default: 0, since: "1.3"}\n', V13
-        ),
+        _with_abort(ROOM + SENDER + REASON + CODE, V_NEXT),
         "new.yaml",
     )
     abort = new.messages["Abort"]
@@ -183,7 +184,7 @@ def test_required_field_added_in_a_minor_is_breaking_in_the_diff() -> None:
     required = replace(abort, fields=(*abort.fields[:3], replace(abort.fields[3], default=UNSET)))
     new_msgs = {**new.messages, "Abort": required}
     result = diff_protocols(old, replace(new, messages=new_msgs))
-    assert any("required field added in minor 1.3" in str(c) for c in result.breaking)
+    assert any(f"required field added in minor {NEXT}" in str(c) for c in result.breaking)
     assert result.failed
 
 
