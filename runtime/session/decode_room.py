@@ -15,9 +15,11 @@ hands the slots back to the engine. After a success that is immediate: every wri
 completed. A failed room is quarantined until every real (non-dummy) sender has *fenced*,
 i.e. said that nothing of the room is in flight there any more: a Failed or Success
 status (a prefill rank sends either only once its transfers stopped), an AbortAck (sent
-only after its drain), or the sender is gone. Dummy senders write nothing and need no
-fence. A sender that stays silent is given up on ``fence_timeout_s`` after the room's own
-deadline; that release names it in ``ReleaseSlots.unfenced`` so the edge can make it loud.
+only after its drain), or the sender is gone. Failed and AbortAck carry that promise from
+protocol 1.3 (``SenderPlan.fences``); an older peer fences only by Success or by leaving.
+Dummy senders write nothing and need no fence. A sender that stays silent is given up on
+``fence_timeout_s`` after the room's own deadline; that release names it in
+``ReleaseSlots.unfenced`` so the edge can make it loud.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class SenderPlan:
     is_dummy: bool = False
     components: tuple[int, ...] = ()
     aux: bool = False
+    # its Failed status and AbortAck certify that its writes stopped (peers at protocol 1.3 or
+    # newer); an older peer may send them with writes still in flight, so only its Success
+    # status, its loss or the fence timeout fence it
+    fences: bool = True
 
 
 class DecodeRoom:
@@ -124,8 +130,8 @@ class DecodeRoom:
         the room: Success is counted from completions (a status can overtake the engine's
         notifications)."""
         plan = self.plans.get(sender)
-        if status.terminal and plan is not None:
-            self._fenced.add(sender)
+        if plan is not None and (status is RoomStatus.SUCCESS or (status.terminal and plan.fences)):
+            self._fenced.add(sender)  # a Success is sent after every write completed, at any version
         if self.finished:
             return self._maybe_release_slots()
         if status is not RoomStatus.FAILED:
@@ -135,7 +141,8 @@ class DecodeRoom:
 
     def on_abort_ack(self, sender: int) -> list[Action]:
         """A prefill sender acknowledged our Abort: nothing of the room is in flight there."""
-        if sender in self.plans:
+        plan = self.plans.get(sender)
+        if plan is not None and plan.fences:
             self._fenced.add(sender)
         return self._maybe_release_slots() if self.finished else []
 

@@ -12,9 +12,10 @@ nothing to write, on the control socket.
 Two callbacks tell the engine about a room: ``on_finished(room, status, failure)`` as soon as
 it ends (a failed request can be retried elsewhere at once), and ``on_slots_released(room)``
 once its destination slots may be reused: at once after a success, and for a failed room
-only when every writing prefill rank fenced (its Failed status, Success status or AbortAck)
-or the fence timeout gave up on it (counted in ``stats.unfenced_releases`` and named in
-``stats.failures``).
+only when every writing prefill rank fenced (its Failed status, Success status or AbortAck;
+Failed and AbortAck count only from peers at protocol 1.3 or newer, which promise that their
+writes stopped) or the fence timeout gave up on it (counted in ``stats.unfenced_releases`` and
+named in ``stats.failures``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pdwire.runtime.session.failures import (
     failure_from_wire,
 )
 from pdwire.runtime.session.handshake import (
+    FENCE_SINCE,
     REGISTER_ACK_SINCE,
     REGISTER_ROOM,
     Identity,
@@ -212,6 +214,7 @@ class DecodeWorker:
                 p in route.dummy_prefill_ranks,
                 () if p in route.dummy_prefill_ranks else comps,
                 p == route.prefill_ranks[0],
+                fences=self._links[PeerRef(prefill_engine, p)].version >= FENCE_SINCE,
             )
             for p in route.prefill_ranks
         ]

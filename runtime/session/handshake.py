@@ -29,7 +29,7 @@ backend refuses a 1.0 peer at the handshake (:func:`check_descriptors`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from pdwire.runtime.descriptors import MemoryKind
@@ -54,6 +54,7 @@ _KIND_TO_WIRE = {
     StateKind.MAMBA: wire.StateType.MAMBA,
     StateKind.SWA: wire.StateType.SWA,
     StateKind.DSA: wire.StateType.DSA,
+    StateKind.NSA: wire.StateType.NSA,  # from 1.3; the codec refuses it for older peers
 }
 _WIRE_TO_KIND = {v: k for k, v in _KIND_TO_WIRE.items()}
 
@@ -117,6 +118,7 @@ def check_hello(local: wire.Hello, remote: wire.Hello) -> tuple[int, int]:
 DESCRIPTORS_SINCE = (1, 1)  # first version whose StateComponent carries mem_descs
 SELF_DESCRIBING_SINCE = (1, 2)  # first version with StateComponent's self-description, aux_mem_descs
 REGISTER_ACK_SINCE = (1, 2)  # first version with RegisterAck
+FENCE_SINCE = (1, 3)  # first version whose Failed status and AbortAck certify a room's writes stopped
 REGISTER_ROOM = 0  # before 1.2, TransferStatus for room 0 answers a RegisterInfo; real rooms are >= 1
 
 
@@ -271,6 +273,8 @@ def register_info(
                 indexing=_INDEXING_TO_WIRE[c.indexing],
                 sharding=_sharding(c),
                 heads=_heads_to_wire(c.heads),
+                # explicit from 1.3; the codec drops 0..n-1 for older peers and refuses others
+                layer_ids=np.asarray(c.global_layer_ids(), dtype=np.uint32),
             )
         )
     aux_descs: list[bytes] = []
@@ -518,6 +522,27 @@ def _check_against_local(
             )
 
 
+def _layer_ids(
+    ci: int, wc: wire.StateComponent, comp: StateComponent, pp_size: int
+) -> tuple[int, ...] | None:
+    """The layers a registered component's entries hold (1.3); None (0..n-1) only for a peer
+    without PP, the one case where an older peer's silence means what it says."""
+    where = f"RegisterInfo.state_components[{ci}].layer_ids"
+    ids = tuple(int(x) for x in wc.layer_ids)
+    if not ids:
+        if pp_size > 1:
+            raise HandshakeError(
+                f"{where}: none from PP stage of {pp_size} (a peer before 1.3 cannot say which layers "
+                "its state holds, and layers 0..n-1 would be another stage's)"
+            )
+        return None
+    if len(ids) != comp.num_layers or len(set(ids)) != len(ids):
+        raise HandshakeError(f"{where}: {list(ids)} for {comp.num_layers} layers; one distinct id per layer")
+    if pp_size == 1 and ids == tuple(range(len(ids))):
+        return None  # what None means: the planner models a rank without PP this way
+    return ids
+
+
 def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
     """The decode rank's memory as the planner models it.
 
@@ -558,7 +583,7 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
             _check_against_local(f"state_components[{ci}] ({kind.value})", comp, lc, g.tp_size, local)
         else:
             comp = _borrowed_component(ci, wc, lc, info, layout)
-        state.append(comp)
+        state.append(replace(comp, layer_ids=_layer_ids(ci, wc, comp, g.pp_size)))
     names = [a.name for a in local.aux]
     aux_lens, items = _ints(info.aux_lens), _ints(info.aux_item_lens)
     if len(info.aux_base_addrs) != len(names):

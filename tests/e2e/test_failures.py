@@ -18,6 +18,7 @@ from pdwire.runtime.demo_cluster import Cluster, RoomResult
 from pdwire.runtime.demo_content import pages_for
 from pdwire.runtime.demo_model import Capacity
 
+from pdwire import wire
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 
 TIMEOUT = 4.0  # room timeout on every rank of this module
@@ -167,7 +168,8 @@ def test_incompatible_major_and_other_model_are_refused_at_the_handshake(cluster
     pre = cluster.start("prefill", 1, "skew-pre")
     future = cluster.start("decode", 1, "skew-future", versions=((2, 0),))
     (err,) = cluster.connect(future, pre)
-    assert err.startswith("HandshakeError") and "2.0" in err and "1.0-1.2" in err, err
+    newest = f"1.0-{wire.NEWEST[0]}.{wire.NEWEST[1]}"
+    assert err.startswith("HandshakeError") and "2.0" in err and newest in err, err
     other_model = cluster.start("decode", 1, "skew-model", spec=replace(SPEC, page_size=8))
     (err,) = cluster.connect(other_model, pre)
     assert "model differs" in err, err
@@ -191,4 +193,4 @@ def test_descriptor_backend_refuses_a_1_0_peer_at_the_handshake(cluster: Cluster
     assert cluster.connect(new, pre) == [""]
     _ok(cluster, [cluster.submit(new, pre, 50, 21)])
     stats, problems = cluster.stop(new)[0]
-    assert problems == [] and stats["versions"] == ["mori10-pre/0=1.2"]
+    assert problems == [] and stats["versions"] == [f"mori10-pre/0={wire.NEWEST[0]}.{wire.NEWEST[1]}"]

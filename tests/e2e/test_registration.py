@@ -1,4 +1,4 @@
-"""Registration over real sockets: a 1.2 peer whose self-described components disagree with the
+"""Registration over real sockets: a 1.2-or-newer peer whose self-described components disagree with the
 prefill side's model is refused at registration (RegisterAck) naming component, tensor and field."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pdwire import wire
 from tests.e2e.conftest import SPEC, serving, worker_caches
 
 
-@pytest.mark.parametrize("versions", [(), ((1, 1),)], ids=["1.2", "1.1"])
+@pytest.mark.parametrize("versions", [(), ((1, 1),)], ids=["newest", "1.1"])
 def test_a_registration_that_disagrees_in_component_structure_is_refused(versions: tuple[Any, ...]) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     pb, db = LocalBackend(agent_name="pre"), LocalBackend(agent_name="dec")

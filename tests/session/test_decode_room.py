@@ -283,3 +283,25 @@ def test_a_sender_that_succeeded_before_another_failed_the_room_is_already_fence
     fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
     acts = s.on_status(ROOM, 0, RoomStatus.FAILED, fail)
     assert acts[-2:] == [ReleaseRoom(ROOM, RoomStatus.FAILED, fail), ReleaseSlots(ROOM)]
+
+
+def test_a_peer_older_than_1_3_fences_only_by_success_or_by_leaving() -> None:
+    # before 1.3 a prefill rank sent Failed and AbortAck with writes possibly still in flight
+    s = DecodeSession(room_timeout_s=5.0, fence_timeout_s=10.0)
+    p0, p1 = PeerRef("p", 0), PeerRef("p", 1)
+    old0, old1 = SenderPlan(0, p0, aux=True, fences=False), SenderPlan(1, p1, fences=False)
+    s.start_room(ROOM, [old0, old1], now=100.0)
+    fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
+    acts = s.on_status(ROOM, 0, RoomStatus.FAILED, fail)
+    assert acts == [SendAbort(p1, ROOM, fail), ReleaseRoom(ROOM, RoomStatus.FAILED, fail)]  # no slots
+    assert s.on_abort_ack(ROOM, 1) == []  # not a promise from this peer
+    assert s.on_tick(114.0) == []
+    assert s.on_tick(115.0) == [ReleaseSlots(ROOM, (p0, p1))]  # loud: both named
+    # a Success (every write completed) and a lost peer fence at any version
+    s.start_room(ROOM + 1, [old0, old1], now=200.0)
+    assert s.on_status(ROOM + 1, 1, RoomStatus.SUCCESS, None) == []
+    acts = s.on_peer_lost(p0)
+    assert (
+        acts[-1] == ReleaseSlots(ROOM + 1)
+        and ReleaseRoom(ROOM + 1, RoomStatus.FAILED, acts[-2].failure) in acts
+    )  # type: ignore[union-attr]

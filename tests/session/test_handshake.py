@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from pdwire.runtime.demo_model import Capacity, ModelSpec, build_caches, bytes_needed
-from pdwire.runtime.planner import Indexing, prepare_peer
+from pdwire.runtime.planner import Indexing, StateKind, prepare_peer
 from pdwire.runtime.session.failures import (
     Failure,
     FailureKind,
@@ -44,7 +44,7 @@ def roundtrip(msg: wire.Message, version: tuple[int, int]) -> wire.Message:
 
 def test_compatible_hellos_agree_on_the_newest_common_version() -> None:
     p, d = ident(wire.Role.PREFILL).hello(), ident(wire.Role.DECODE, tp=4).hello()
-    assert check_hello(p, d) == check_hello(d, p) == (1, 2)
+    assert check_hello(p, d) == check_hello(d, p) == wire.NEWEST
     older = ident(wire.Role.DECODE, versions=((1, 1),)).hello()
     assert check_hello(p, roundtrip(older, (1, 1))) == (1, 1)  # type: ignore[arg-type]
     old = ident(wire.Role.DECODE, versions=((1, 0),)).hello()
@@ -56,7 +56,7 @@ def test_other_major_is_refused_naming_both_versions() -> None:
     future = ident(wire.Role.DECODE, versions=((2, 0),)).hello()
     with pytest.raises(HandshakeError) as e:
         check_hello(p, future)
-    assert "1.0-1.2" in str(e.value) and "2.0" in str(e.value)
+    assert f"1.0-1.{wire.NEWEST[1]}" in str(e.value) and "2.0" in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -281,3 +281,55 @@ def test_a_sharded_axis_the_peers_tp_does_not_divide_is_refused(version: tuple[i
     with pytest.raises(RegistrationMismatch, match="cannot be split over the peer's TP 2") as e:
         remote_memory(replace_struct(info, 0, shard_axis_sizes=odd), pre.memory)
     assert (e.value.tensor, e.value.field) == ("conv", "shard_axis_sizes")
+
+
+def _staged(memory, stage: int, stages: int = 2):  # type: ignore[no-untyped-def]
+    """``memory`` as PP stage ``stage``: its state components name their layers."""
+    state = tuple(
+        replace(c, layer_ids=tuple(stage * c.num_layers + i for i in range(c.num_layers)))
+        for c in memory.state
+    )
+    position = replace(memory.position, pp_size=stages, pp_rank=stage)
+    return replace(memory, position=position, state=state)
+
+
+def test_a_pp_stage_registers_its_state_layers_from_1_3() -> None:
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    stage1 = _staged(dec.memory, 1)
+    got = remote_memory(_register(stage1), _staged(pre.memory, 1))
+    assert got == stage1 and got.state[0].layer_ids == (2, 3)
+    # a 1.2 peer would put them on layers 0 and 1: the codec refuses to drop them
+    with pytest.raises(wire.DowngradeError, match=r"StateComponent\.layer_ids"):
+        wire.encode(
+            register_info(stage1, endpoint="e", engine_id="e", agent_name="a", agent_metadata=b""), (1, 2)
+        )
+    # stage 0's ids are 0..n-1, which a 1.2 peer means too: they travel, and PP still needs them
+    stage0 = _staged(dec.memory, 0)
+    older = _register(stage0, (1, 2))
+    assert all(len(c.layer_ids) == 0 for c in older.state_components)
+    with pytest.raises(HandshakeError, match=r"state_components\[0\]\.layer_ids: none from PP stage of 2"):
+        remote_memory(older, _staged(pre.memory, 0))
+    assert remote_memory(_register(stage0), _staged(pre.memory, 0)) == stage0
+
+
+@pytest.mark.parametrize("ids", [[2], [2, 2], [2, 3, 4]], ids=["too-few", "repeated", "too-many"])
+def test_layer_ids_that_do_not_name_each_layer_once_are_refused(ids: list[int]) -> None:
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    info = _register(_staged(dec.memory, 1))
+    bad = replace_struct(info, 0, layer_ids=np.array(ids, dtype=np.uint32))
+    with pytest.raises(
+        HandshakeError, match=r"state_components\[0\]\.layer_ids: .* one distinct id per layer"
+    ):
+        remote_memory(bad, _staged(pre.memory, 1))
+
+
+def test_an_nsa_component_registers_from_1_3() -> None:
+    pre, _a = caches(SMALL, 1, 0)
+    dec, _b = caches(SMALL, 1, 0)
+    as_nsa = {"kind": StateKind.NSA}
+    got = remote_memory(_register(_tamper(dec.memory, 1, **as_nsa)), _tamper(pre.memory, 1, **as_nsa))
+    assert got.state[1].kind is StateKind.NSA
+    with pytest.raises(wire.DowngradeError, match=r"StateComponent\.type"):
+        _register(_tamper(dec.memory, 1, **as_nsa), (1, 2))
