@@ -15,6 +15,7 @@ from pdwire.runtime.planner.errors import (
     TopologyError,
     UnsupportedTransfer,
 )
+from pdwire.runtime.planner.kernel import check_unique_destinations
 from pdwire.runtime.planner.model import (
     AuxBuffer,
     HeadGeometry,
@@ -56,6 +57,7 @@ __all__ = [
     "StateTensor",
     "TopologyError",
     "UnsupportedTransfer",
+    "check_unique_destinations",
     "decode_ranks_of_prefill",
     "heads_held",
     "prepare_peer",

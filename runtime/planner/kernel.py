@@ -63,19 +63,36 @@ def paired_indices(src: IndexArray, dst: IndexArray, *, component: str) -> tuple
         raise IndexListMismatch(
             f"{len(s)} source indices but {len(d)} destination indices (never truncated)", component=component
         )
-    if len(d) > 1:
-        steps = np.diff(d.astype(np.int64, copy=False)) if int(d.max()) < 2**63 else None
-        if steps is None or not bool((steps > 0).all()):
-            order = np.argsort(d, kind="stable")
-            s, d = s[order], d[order]
-            repeated = np.flatnonzero(d[1:] == d[:-1])
-            if len(repeated):
-                raise DuplicateDestination(
-                    f"destination index {int(d[repeated[0]])} appears twice",
-                    component=component,
-                    index=int(d[repeated[0]]),
-                )
-    return s, d
+    order = _destination_order(d, component)
+    return (s, d) if order is None else (s[order], d[order])
+
+
+def check_unique_destinations(dst: IndexArray, *, component: str) -> None:
+    """Refuse a destination list that names an index twice, across the whole list.
+
+    A request's KV list is planned chunk by chunk, and each chunk only sees its own slice:
+    an index repeated across a chunk boundary must be refused here, once per request.
+    """
+    _destination_order(as_indices(dst, component=component, side="destination"), component)
+
+
+def _destination_order(d: U64, component: str) -> npt.NDArray[np.intp] | None:
+    """The stable order that sorts ``d`` (None when it already increases); no index twice."""
+    if len(d) < 2:
+        return None
+    steps = np.diff(d.astype(np.int64, copy=False)) if int(d.max()) < 2**63 else None
+    if steps is not None and bool((steps > 0).all()):
+        return None
+    order = np.argsort(d, kind="stable")
+    ordered = d[order]
+    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if len(repeated):
+        raise DuplicateDestination(
+            f"destination index {int(ordered[repeated[0]])} appears twice",
+            component=component,
+            index=int(ordered[repeated[0]]),
+        )
+    return order
 
 
 def check_bounds(buffers: BufferSet, src: U64, dst: U64) -> None:

@@ -31,7 +31,14 @@ from pdwire.runtime.backends import Backend, BackendError, Peer, PeerMetadata, T
 from pdwire.runtime.demo_content import RoomSlots
 from pdwire.runtime.demo_model import RankCaches
 from pdwire.runtime.descriptors import DescriptorTable
-from pdwire.runtime.planner import IndexListMismatch, PeerPlan, PlanError, PlanGroup, prepare_peer
+from pdwire.runtime.planner import (
+    IndexListMismatch,
+    PeerPlan,
+    PlanError,
+    PlanGroup,
+    check_unique_destinations,
+    prepare_peer,
+)
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
@@ -264,8 +271,8 @@ class PrefillWorker:
             reason = Failure(FailureKind.VALIDATION, "TransferRequest from a peer that is not registered")
             self._send(conn, self._status(conn, room, RoomStatus.FAILED, reason))
             return
-        if bool(req.is_dummy) != conn.plan.is_dummy:
-            why = f"request says is_dummy={req.is_dummy}, the rank routing says {conn.plan.is_dummy}"
+        why = self._request_problem(conn.plan, req)
+        if why is not None:  # the requester is told; its decode rank aborts the room everywhere
             self._send(
                 conn, self._status(conn, room, RoomStatus.FAILED, Failure(FailureKind.VALIDATION, why))
             )
@@ -276,6 +283,19 @@ class PrefillWorker:
         if room in self.session.rooms and conn.peer in self.session.rooms[room].targets:
             self._requests.setdefault(room, {}).setdefault(conn.peer, req)
         self._run(actions)
+
+    @staticmethod
+    def _request_problem(plan: PeerPlan, req: wire.TransferRequest) -> str | None:
+        """What makes a request unplannable as a whole, before any of it is posted."""
+        if bool(req.is_dummy) != plan.is_dummy:
+            return f"request says is_dummy={req.is_dummy}, the rank routing says {plan.is_dummy}"
+        try:
+            # chunks are planned one slice at a time: a page named twice across a chunk
+            # boundary would be written twice, the later chunk silently winning
+            check_unique_destinations(req.dst_kv_indices, component="kv")
+        except PlanError as exc:
+            return str(exc)
+        return None
 
     # ------------------------------------------------------------------ actions out
 
