@@ -50,6 +50,7 @@ from pdwire.runtime.session.handshake import (
     check_hello,
     register_info,
 )
+from pdwire.runtime.session.poll_backoff import PollBackoff
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
@@ -109,6 +110,7 @@ class DecodeWorker:
         self._links: dict[PeerRef, _Link] = {}
         self._engines: dict[str, int] = {}  # prefill engine id -> its TP size
         self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
+        self._backoff = PollBackoff()
 
     # ------------------------------------------------------------------ handshake
 
@@ -242,11 +244,15 @@ class DecodeWorker:
 
     def step(self, timeout_ms: int) -> dict[Any, int]:
         """Poll once: control messages, engine notifications, deadlines. Returns poll events."""
-        events = dict(self.poller.poll(1 if self.session.rooms else timeout_ms))
+        # with rooms live, engine notifications have nothing to wait on: look again soon
+        events = self._backoff.poll(self.poller) if self.session.rooms else dict(self.poller.poll(timeout_ms))
         for link in self._links.values():
             if events.get(link.sock):
                 self._drain(link)
-        for n in self.backend.receive_notifications():
+        notes = self.backend.receive_notifications()
+        if events or notes:
+            self._backoff.progress()
+        for n in notes:
             self.stats.engine_notifications += 1
             try:
                 msg = wire.decode_bytes(n.payload)

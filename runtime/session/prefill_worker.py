@@ -61,6 +61,7 @@ from pdwire.runtime.session.handshake import (
     join_region_descs,
     remote_memory,
 )
+from pdwire.runtime.session.poll_backoff import PollBackoff
 from pdwire.runtime.session.prefill_room import Target
 from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import RoomStatus
@@ -114,6 +115,7 @@ class PrefillWorker:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
         self.poller.register(self.sock, zmq.POLLIN)
+        self._backoff = PollBackoff()
         self.session = PrefillSession(room_timeout_s)
         self.sender_rank = identity.tp_rank  # unique rank: tp_rank * (pp*cp) + ...; PP = CP = 1 here
         self.on_release = on_release
@@ -145,13 +147,16 @@ class PrefillWorker:
 
     def step(self, timeout_ms: int) -> dict[Any, int]:
         """Poll once: control messages, transfer completions, deadlines. Returns poll events."""
-        wait = 0 if self._done_now else timeout_ms
-        if self._handles:
-            wait = min(wait, 1)
-        events = dict(self.poller.poll(wait))
+        if self._done_now:
+            events = dict(self.poller.poll(0))
+        elif self._handles:  # engine completions have nothing to wait on: look again soon
+            events = self._backoff.poll(self.poller)
+        else:
+            events = dict(self.poller.poll(timeout_ms))
         if events.get(self.sock):
             self._drain()
-        self._service()
+        if self._service() or events:
+            self._backoff.progress()
         return events
 
     def _drain(self) -> None:
@@ -163,12 +168,15 @@ class PrefillWorker:
             self.stats.messages_in += 1
             self._on_frames(frames[0], frames[1:])
 
-    def _service(self) -> None:
+    def _service(self) -> bool:
+        """Completions and deadlines; whether any transfer or control-socket part finished."""
+        progressed = bool(self._done_now)
         # Only this loop drops handles (a room never ends with one in flight), so the snapshot holds.
         for x, h in list(self._handles.items()):
             st = self.backend.poll(h)
             if st.state is TransferState.PENDING:
                 continue
+            progressed = True
             del self._handles[x]
             self.backend.release(h)  # final: the engine is done with both sides' memory
             room = self.session.room_of(x)
@@ -182,6 +190,7 @@ class PrefillWorker:
             self._run(self.session.on_xfer_done(self._done_now.pop(0)))
         if self.session.rooms:
             self._run(self.session.on_tick(time.monotonic()))
+        return progressed
 
     def close(self) -> None:
         for h in self._handles.values():

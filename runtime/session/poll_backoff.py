@@ -1,0 +1,42 @@
+"""Waiting on transfer engines that offer nothing to wait on.
+
+NIXL completions and notifications (and the worker-thread backends' jobs) have no file
+descriptor a ZMQ poller could watch, so a worker with transfers in flight must look again
+after a while. A fixed 1 ms poll made every small request pay about a millisecond per hop;
+this waits 20 us first and doubles while nothing happens, up to the 1 ms it used to wait, and
+starts short again whenever something happened. Waits of a millisecond or more go through
+the ZMQ poller (a control message still wakes it at once); shorter ones sleep and then poll
+without blocking.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+FIRST_WAIT_S = 20e-6
+LONGEST_WAIT_S = 1e-3
+
+
+class PollBackoff:
+    def __init__(self, first_s: float = FIRST_WAIT_S, longest_s: float = LONGEST_WAIT_S) -> None:
+        self.first_s = first_s
+        self.longest_s = longest_s
+        self.next_s = first_s
+
+    def progress(self) -> None:
+        """Something happened: the next wait is short again."""
+        self.next_s = self.first_s
+
+    def poll(self, poller: zmq.Poller) -> dict[Any, int]:
+        """Poll ``poller`` after the current wait, then lengthen the wait for next time."""
+        wait_s, self.next_s = self.next_s, min(2 * self.next_s, self.longest_s)
+        if wait_s >= 1e-3:
+            return dict(poller.poll(int(wait_s * 1000)))
+        events = dict(poller.poll(0))
+        if events:
+            return events
+        time.sleep(wait_s)
+        return dict(poller.poll(0))

@@ -1,0 +1,52 @@
+"""The workers' wait while transfers are in flight: short first, doubling while idle, capped,
+short again on progress, and never sleeping through a control message already waiting."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+from pdwire.runtime.session import poll_backoff
+from pdwire.runtime.session.poll_backoff import PollBackoff
+
+
+def test_waits_double_while_idle_up_to_the_cap_and_reset_on_progress() -> None:
+    poller = zmq.Poller()  # nothing registered: every poll is idle
+    b = PollBackoff(first_s=1e-5, longest_s=8e-5)
+    waits = []
+    for _ in range(6):
+        waits.append(b.next_s)
+        assert b.poll(poller) == {}
+    assert waits == [1e-5, 2e-5, 4e-5, 8e-5, 8e-5, 8e-5]
+    b.progress()
+    assert b.next_s == 1e-5
+
+
+def test_a_waiting_message_is_returned_without_sleeping_out_the_wait(monkeypatch: Any) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, z = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://backoff")
+        z.connect("inproc://backoff")
+        poller = zmq.Poller()
+        poller.register(z, zmq.POLLIN)
+
+        # a short wait looks before it sleeps: with a message waiting it must not sleep at all
+        def no_sleep(seconds: float) -> None:
+            raise AssertionError(f"slept {seconds} s with a message waiting")
+
+        monkeypatch.setattr(poll_backoff.time, "sleep", no_sleep)
+        a.send(b"status")
+        assert PollBackoff(first_s=5e-4).poll(poller).get(z) == zmq.POLLIN
+        assert z.recv() == b"status"
+        # a long wait goes through the poller, which returns as soon as a message arrives
+        a.send(b"status")
+        t = time.monotonic()
+        assert PollBackoff(first_s=5.0, longest_s=5.0).poll(poller).get(z) == zmq.POLLIN
+        assert time.monotonic() - t < 2.5  # far from the 5 s it would wait for nothing
+        assert z.recv() == b"status"
+    finally:
+        a.close(0)
+        z.close(0)
+        ctx.term()
