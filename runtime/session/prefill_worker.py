@@ -156,7 +156,7 @@ class PrefillWorker:
         if events.get(self.sock):
             self._drain()
         if self._service() or events:
-            self._backoff.progress()
+            self._backoff.progress(len(self._handles))
         return events
 
     def _drain(self) -> None:

@@ -50,3 +50,13 @@ def test_a_waiting_message_is_returned_without_sleeping_out_the_wait(monkeypatch
         a.close(0)
         z.close(0)
         ctx.term()
+
+
+def test_the_first_wait_after_progress_grows_with_the_work_in_flight() -> None:
+    b = PollBackoff(first_s=2e-5, longest_s=1e-3)
+    b.progress(0)
+    assert b.next_s == 2e-5
+    b.progress(10)
+    assert 2e-5 < b.next_s < 5e-4  # a few transfers: still well under the old fixed 1 ms
+    b.progress(10_000)
+    assert b.next_s == 1e-3  # never longer than the old fixed poll
