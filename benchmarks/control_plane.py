@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+import timeit
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     py = platform.python_version()
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f}, Python {py}")
+    ref_start = reference_us()
     zmq_rtt = zmq_baseline()
     codec = codec_baseline()
     rtt = f"p50 {zmq_rtt:.0f} us"
@@ -206,7 +208,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['overhead_p50_us'] / 1e3:.3f} ms | {am} |"
             )
         sys.stdout.flush()
+    print()
+    print(f"machine speed: reference loop (sum(range(100))) at start {ref_start}, at end {reference_us()}")
     return 0
+
+
+def reference_us() -> str:
+    """The fixed pure-Python loop every benchmark times: about 0.75 us when this shared VM runs in
+    its fast phase, about 1.4 us in its slow one (everything here is slower then too)."""
+    from baseline_frames import reference_loop  # benchmarks/ is on sys.path when run as a script
+
+    runs = [timeit.timeit(reference_loop, number=20000) / 20000 * 1e6 for _ in range(9)]
+    return f"median {statistics.median(runs):.2f} us"
 
 
 if __name__ == "__main__":
