@@ -1,22 +1,34 @@
 """Shared process clusters: starting rank processes is the expensive part, so groups are started
 once per module and reused by every case that needs the same (engine, TP, model). Also the
-in-process worker pair's setup (one-rank caches, a prefill worker stepped on a thread)."""
+in-process worker pair (one-rank caches, a prefill worker stepped on a thread while decode
+connects, and what each side reported)."""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from pdwire.runtime.backends import Backend, available_backends
+from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_cluster import Cluster, Group, RoomResult
 from pdwire.runtime.demo_content import RoomSlots, pages_for
 from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.demo_rank import model_fingerprint
+from pdwire.runtime.session.decode_worker import DecodeWorker
+from pdwire.runtime.session.failures import Failure
+from pdwire.runtime.session.handshake import Identity
 from pdwire.runtime.session.prefill_worker import PrefillWorker
+from pdwire.runtime.session.status import RoomStatus
+
+from pdwire import wire
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -27,6 +39,7 @@ SPEC = ModelSpec(
 )
 CAP = Capacity(pages=256, slots=24, swa_pages=64, aux_items=24)
 WORKER_CAP = Capacity(pages=16, slots=3, swa_pages=8, aux_items=2)  # in-process workers: a room or two
+ROOM_TIMEOUT_S = 10.0  # in-process workers: far beyond any room here on a loaded 2-core machine
 
 
 @dataclass
@@ -113,6 +126,117 @@ def serving(pre: PrefillWorker) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+Outcome = tuple[int, RoomStatus, Failure | None]  # (room, status, failure): how a worker reports a room's end
+
+
+@dataclass
+class WorkerPair:
+    """A prefill and a decode worker of one rank each, in this process over real sockets, and
+    everything the two told their engines (each worker keeps its own stats)."""
+
+    pre: PrefillWorker
+    dec: DecodeWorker
+    pb: Backend
+    db: Backend
+    pc: RankCaches
+    dc: RankCaches
+    engine: str  # the prefill engine id connect() returned; "" when the pair was built unconnected
+    finished: list[Outcome]  # decode's on_finished, in order
+    released: list[Outcome]  # prefill's on_release, in order
+    slots_released: list[int]  # decode's on_slots_released, in order
+    events: list[str]  # the three above as text, interleaved in the order they happened
+
+    def step_until(self, done: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+        """Step both workers until ``done()``; at the timeout fail naming ``what`` and the events so far."""
+        end = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < end, f"timed out waiting for {what}; events: {self.events}"
+            self.pre.step(2)
+            self.dec.step(2)
+
+
+@contextmanager
+def worker_pair(
+    pb: Backend | None = None,
+    db: Backend | None = None,
+    *,
+    adjust_decode_caches: Callable[[RankCaches], None] | None = None,
+    decode_versions: tuple[tuple[int, int], ...] = (),
+    prefill_kw: Mapping[str, Any] | None = None,
+    decode_kw: Mapping[str, Any] | None = None,
+    connect: bool = True,
+) -> Iterator[WorkerPair]:
+    """Engine "pre" rank 0 of 1 on ``pb`` and engine "dec" rank 0 of 1 on ``db`` (local backends
+    unless given), connected unless ``connect`` is false (the test connects, maybe expecting a refusal).
+
+    ``adjust_decode_caches`` changes decode's caches after they are registered and before the
+    workers exist (a decode build that describes its memory differently); ``decode_versions``
+    are the protocol versions decode offers (empty: all). ``prefill_kw`` and ``decode_kw`` go to
+    the workers (``room_timeout_s`` defaults to ROOM_TIMEOUT_S). The pair owns both backends and
+    closes them after the workers; a fake backend that holds its engine's thread lets it go in
+    its own ``close``, so that a failed set-up is torn down as fast as a finished test.
+    """
+    ctx: zmq.Context[Any] = zmq.Context()
+    pb = pb if pb is not None else LocalBackend(agent_name="pre")
+    db = db if db is not None else LocalBackend(agent_name="dec")
+    finished: list[Outcome] = []
+    released: list[Outcome] = []
+    slots_released: list[int] = []
+    events: list[str] = []
+
+    def on_finished(room: int, status: RoomStatus, failure: Failure | None) -> None:
+        finished.append((room, status, failure))
+        events.append(f"decode finished {room} {status.name}")
+
+    def on_release(room: int, status: RoomStatus, failure: Failure | None) -> None:
+        released.append((room, status, failure))
+        events.append(f"prefill released {room} {status.name}")
+
+    def on_slots_released(room: int) -> None:
+        slots_released.append(room)
+        events.append(f"decode slots {room}")
+
+    pre: PrefillWorker | None = None
+    dec: DecodeWorker | None = None
+    try:
+        model = model_fingerprint(SPEC)
+        pc, dc = worker_caches(pb), worker_caches(db)
+        if adjust_decode_caches is not None:
+            adjust_decode_caches(dc)
+        pre = PrefillWorker(
+            Identity(wire.Role.PREFILL, "pre", 1, 0, model),
+            pc,
+            pb,
+            ctx,
+            **{"room_timeout_s": ROOM_TIMEOUT_S, **(prefill_kw or {})},
+            on_release=on_release,
+        )
+        dec = DecodeWorker(
+            Identity(wire.Role.DECODE, "dec", 1, 0, model, decode_versions),
+            dc,
+            db,
+            ctx,
+            **{"room_timeout_s": ROOM_TIMEOUT_S, **(decode_kw or {})},
+            on_finished=on_finished,
+            on_slots_released=on_slots_released,
+        )
+        engine = ""
+        if connect:
+            with serving(pre):  # the prefill rank answers the handshake while connect() blocks
+                engine = dec.connect([pre.endpoint], timeout_s=10)
+        yield WorkerPair(pre, dec, pb, db, pc, dc, engine, finished, released, slots_released, events)
+    finally:
+        # Workers before backends (prefill releases its handles into its backend), backends
+        # before the context, whose term() waits for every socket to close.
+        if pre is not None:
+            pre.close()
+        if dec is not None:
+            dec.close()
+        pb.close()
+        db.close()
+        ctx.term()
 
 
 def assert_clean_shutdown(pool: Pool) -> None:

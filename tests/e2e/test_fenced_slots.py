@@ -12,24 +12,12 @@ at the fence timeout, counted and named.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
-import zmq
 from pdwire.runtime.backends.base import DONE, TransferHandle
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors, verify
-from pdwire.runtime.demo_model import RankCaches
-from pdwire.runtime.demo_rank import model_fingerprint
-from pdwire.runtime.session.decode_worker import DecodeWorker
-from pdwire.runtime.session.handshake import Identity
-from pdwire.runtime.session.prefill_worker import PrefillWorker
 
-from pdwire import wire
-from tests.e2e.conftest import SPEC, room_slots, serving, worker_caches
+from tests.e2e.conftest import SPEC, WorkerPair, room_slots, worker_pair
 
 TOKENS = 40  # 10 pages: one KV chunk, two state components and aux, posted together
 
@@ -45,74 +33,25 @@ class CannotCancel(LocalBackend):
     def _cancel(self, handle: TransferHandle) -> None:
         pass  # the engine cannot stop it: poll reports it final once it ended
 
-
-@dataclass
-class Pair:
-    pre: PrefillWorker
-    dec: DecodeWorker
-    pb: CannotCancel
-    pc: RankCaches
-    dc: RankCaches
-    engine: str
-    events: list[str] = field(default_factory=list)  # what each side reported, in order
-
-    def step_until(self, done: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-        end = time.monotonic() + timeout_s
-        while not done():
-            assert time.monotonic() < end, f"timed out waiting for {what}; events: {self.events}"
-            self.pre.step(2)
-            self.dec.step(2)
-
-    def start(self, room: int, slots: RoomSlots) -> None:
-        """Decode asks for ``room``; once prefill has the request, chunked prefill produces it whole."""
-        src = room_slots(TOKENS)
-        fill(self.pc, src, full_tensors(SPEC, 1, room, TOKENS))
-        self.dec.start_room(room, slots, self.engine)
-        self.step_until(lambda: room in self.pre._requests, f"room {room}'s TransferRequest")
-        self.pre.chunk_ready(room, src, 0, len(src.pages), True)
+    def close(self) -> None:
+        self.gate.set()  # the held writes must end first, or close waits its full close_wait_s for them
+        super().close()
 
 
-@contextmanager
-def pair(**decode_kw: Any) -> Iterator[Pair]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    pb, db = CannotCancel("pre"), LocalBackend(agent_name="dec")
-    model = model_fingerprint(SPEC)
-    pc, dc = worker_caches(pb), worker_caches(db)
-    events: list[str] = []
-    pre = PrefillWorker(
-        Identity(wire.Role.PREFILL, "pre", 1, 0, model),
-        pc,
-        pb,
-        ctx,
-        room_timeout_s=10,
-        on_release=lambda room, st, _f: events.append(f"prefill released {room} {st.name}"),
-    )
-    dec = DecodeWorker(
-        Identity(wire.Role.DECODE, "dec", 1, 0, model),
-        dc,
-        db,
-        ctx,
-        on_finished=lambda room, st, _f: events.append(f"decode finished {room} {st.name}"),
-        on_slots_released=lambda room: events.append(f"decode slots {room}"),
-        **decode_kw,
-    )
-    try:
-        with serving(pre):
-            engine = dec.connect([pre.endpoint], timeout_s=10)
-        yield Pair(pre, dec, pb, pc, dc, engine, events)
-    finally:
-        pb.gate.set()
-        pre.close()
-        dec.close()
-        pb.close()
-        db.close()
-        ctx.term()
+def start(p: WorkerPair, room: int, slots: RoomSlots) -> None:
+    """Decode asks for ``room``; once prefill has the request, chunked prefill produces it whole."""
+    src = room_slots(TOKENS)
+    fill(p.pc, src, full_tensors(SPEC, 1, room, TOKENS))
+    p.dec.start_room(room, slots, p.engine)
+    p.step_until(lambda: room in p.pre._requests, f"room {room}'s TransferRequest")
+    p.pre.chunk_ready(room, src, 0, len(src.pages), True)
 
 
 def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_byte_exact() -> None:
-    with pair(room_timeout_s=10) as p:
+    pb = CannotCancel("pre")
+    with worker_pair(pb) as p:
         slots = room_slots(TOKENS)
-        p.start(7, slots)
+        start(p, 7, slots)
         assert len(p.pre._handles) == 4  # KV, Mamba, SWA, aux: posted, held on the engine's thread
         p.dec.abort(7, "the engine gave up on it")
         assert p.events == ["decode finished 7 FAILED"]  # the engine learns at once (it may retry)
@@ -123,13 +62,13 @@ def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_
         assert p.events == ["decode finished 7 FAILED"]
         assert p.pre.session.rooms[7].draining and len(p.pre._handles) == 4
         assert list(p.dec.session.quarantined) == [7]
-        p.pb.gate.set()  # the failed room's writes now land in decode's slots
+        pb.gate.set()  # the failed room's writes now land in decode's slots
         p.step_until(lambda: "decode slots 7" in p.events, "room 7's slots")
         assert p.events == ["decode finished 7 FAILED", "prefill released 7 FAILED", "decode slots 7"]
         assert p.pre._handles == {} and p.pre.stats.rooms_failed == 1
         # What the fence held back: room 7's bytes did land, after the room had failed.
         assert verify(p.dc, slots, full_tensors(SPEC, 1, 7, TOKENS)) == []
-        p.start(8, slots)  # the same slots for the next room
+        start(p, 8, slots)  # the same slots for the next room
         p.step_until(lambda: "decode finished 8 SUCCESS" in p.events, "room 8")
         p.step_until(lambda: p.dec.session.stray_completions == 4, "room 7's late notifications")
         assert verify(p.dc, slots, full_tensors(SPEC, 1, 8, TOKENS)) == []
@@ -139,8 +78,8 @@ def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_
 
 
 def test_a_prefill_rank_that_never_fences_gets_the_slots_released_at_the_fence_timeout_loudly() -> None:
-    with pair(room_timeout_s=1.0, fence_timeout_s=0.5) as p:
-        p.start(9, room_slots(TOKENS))
+    with worker_pair(CannotCancel("pre"), decode_kw={"room_timeout_s": 1.0, "fence_timeout_s": 0.5}) as p:
+        start(p, 9, room_slots(TOKENS))
         p.dec.abort(9, "the engine gave up on it")
         p.step_until(lambda: "decode slots 9" in p.events, "the fence timeout")
         assert p.events == ["decode finished 9 FAILED", "decode slots 9"]

@@ -7,48 +7,33 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import zmq
-from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo_rank import model_fingerprint
-from pdwire.runtime.session.decode_worker import DecodeWorker
+from pdwire.runtime.demo_model import RankCaches
 from pdwire.runtime.session.failures import HandshakeError
-from pdwire.runtime.session.handshake import Identity
-from pdwire.runtime.session.prefill_worker import PrefillWorker
 
-from pdwire import wire
-from tests.e2e.conftest import SPEC, serving, worker_caches
+from tests.e2e.conftest import serving, worker_pair
+
+
+def rename_swa_tensors(dc: RankCaches) -> None:
+    """A decode build that names its SWA tensors differently (same fingerprint: the skew the
+    Hello cannot see)."""
+    swa = dc.memory.state[1]
+    skewed = replace(swa, tensors=tuple(replace(t, name=f"swa_{t.name}") for t in swa.tensors))
+    dc.memory = replace(dc.memory, state=(dc.memory.state[0], skewed))
 
 
 @pytest.mark.parametrize("versions", [(), ((1, 1),)], ids=["newest", "1.1"])
 def test_a_registration_that_disagrees_in_component_structure_is_refused(versions: tuple[Any, ...]) -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
-    pb, db = LocalBackend(agent_name="pre"), LocalBackend(agent_name="dec")
-    model = model_fingerprint(SPEC)
-    pc, dc = worker_caches(pb), worker_caches(db)
-    # a decode build that names its SWA tensors differently (same fingerprint: the skew the
-    # Hello cannot see)
-    swa = dc.memory.state[1]
-    skewed = replace(swa, tensors=tuple(replace(t, name=f"swa_{t.name}") for t in swa.tensors))
-    dc.memory = replace(dc.memory, state=(dc.memory.state[0], skewed))
-    pre = PrefillWorker(Identity(wire.Role.PREFILL, "pre", 1, 0, model), pc, pb, ctx, room_timeout_s=10)
-    dec = DecodeWorker(
-        Identity(wire.Role.DECODE, "dec", 1, 0, model, versions), dc, db, ctx, room_timeout_s=10
-    )
-    try:
-        with serving(pre):
-            if versions:  # a 1.1 peer cannot describe its components: borrowed, accepted (documented)
-                assert dec.connect([pre.endpoint], timeout_s=10) == "pre"
-                assert dec.stats.versions == ["pre/0=1.1"]
-                return
-            with pytest.raises(HandshakeError) as e:
-                dec.connect([pre.endpoint], timeout_s=10)
-            msg = str(e.value)
-            assert "refused the registration: handshake: RegistrationMismatch" in msg, msg
-            assert "state_components[1] (swa), field tensor_names" in msg and "swa_k" in msg, msg
-            assert pre._by_peer == {}  # nothing was prepared for the refused peer
-    finally:
-        pre.close()
-        dec.close()
-        pb.close()
-        db.close()
-        ctx.term()
+    with (
+        worker_pair(adjust_decode_caches=rename_swa_tensors, decode_versions=versions, connect=False) as p,
+        serving(p.pre),  # the test connects: the newest decode build expects a refusal
+    ):
+        if versions:  # a 1.1 peer cannot describe its components: borrowed, accepted (documented)
+            assert p.dec.connect([p.pre.endpoint], timeout_s=10) == "pre"
+            assert p.dec.stats.versions == ["pre/0=1.1"]
+            return
+        with pytest.raises(HandshakeError) as e:
+            p.dec.connect([p.pre.endpoint], timeout_s=10)
+        msg = str(e.value)
+        assert "refused the registration: handshake: RegistrationMismatch" in msg, msg
+        assert "state_components[1] (swa), field tensor_names" in msg and "swa_k" in msg, msg
+        assert p.pre._by_peer == {}  # nothing was prepared for the refused peer

@@ -26,7 +26,7 @@ from pdwire.runtime.session.prefill_worker import PrefillWorker
 from pdwire.runtime.session.status import RoomStatus
 
 from pdwire import wire
-from tests.e2e.conftest import SPEC, room_slots, serving, worker_caches
+from tests.e2e.conftest import SPEC, room_slots, worker_caches, worker_pair
 
 
 class FirstTransferFails(LocalBackend):
@@ -46,58 +46,40 @@ class FirstTransferFails(LocalBackend):
         job.finished.set()
         handle.engine = job
 
+    def close(self) -> None:
+        self.gate.set()  # the held job must end first, or close waits its full close_wait_s for it
+        super().close()
+
 
 def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
-    pb, db = FirstTransferFails(agent_name="pre"), LocalBackend(agent_name="dec")
-    model = model_fingerprint(SPEC)
-    finished: list[tuple[int, RoomStatus, Failure | None]] = []
-    pc, dc = worker_caches(pb), worker_caches(db)
-    pre = PrefillWorker(Identity(wire.Role.PREFILL, "pre", 1, 0, model), pc, pb, ctx, room_timeout_s=10)
-    dec = DecodeWorker(
-        Identity(wire.Role.DECODE, "dec", 1, 0, model),
-        dc,
-        db,
-        ctx,
-        room_timeout_s=10,
-        on_finished=lambda *a: finished.append(a),
-    )
-    try:
-        with serving(pre):  # the prefill rank answers the handshake while connect() blocks
-            engine = dec.connect([pre.endpoint], timeout_s=10)
+    pb = FirstTransferFails(agent_name="pre")
+    with worker_pair(pb) as p:
         tokens = 40  # 10 pages: one KV chunk, two state components and aux, all posted at once
         src = room_slots(tokens)
-        fill(pc, src, full_tensors(SPEC, 1, 7, tokens))
-        dec.start_room(7, room_slots(tokens), engine)
+        fill(p.pc, src, full_tensors(SPEC, 1, 7, tokens))
+        p.dec.start_room(7, room_slots(tokens), p.engine)
         deadline = time.monotonic() + 10
-        while 7 not in pre.session.rooms or not pre._requests:
+        while 7 not in p.pre.session.rooms or not p.pre._requests:
             assert time.monotonic() < deadline, "the TransferRequest never arrived"
-            pre.step(5)
-        pre.chunk_ready(7, src, 0, len(src.pages), True)
-        assert len(pre._handles) == 4  # KV, Mamba, SWA, aux: in flight together
+            p.pre.step(5)
+        p.pre.chunk_ready(7, src, 0, len(src.pages), True)
+        assert len(p.pre._handles) == 4  # KV, Mamba, SWA, aux: in flight together
         for _ in range(100):  # the first fails; the other three cannot stop while the gate is shut
-            pre.step(1)
-            dec.step(1)
-        assert 7 in pre.session.rooms and pre.session.rooms[7].draining
-        assert len(pre._handles) == 3 and all(h.cancel_reason for h in pre._handles.values())
-        assert finished == [] and pre.stats.rooms_failed == 0  # nobody told while they may write
+            p.pre.step(1)
+            p.dec.step(1)
+        assert 7 in p.pre.session.rooms and p.pre.session.rooms[7].draining
+        assert len(p.pre._handles) == 3 and all(h.cancel_reason for h in p.pre._handles.values())
+        assert p.finished == [] and p.pre.stats.rooms_failed == 0  # nobody told while they may write
         pb.gate.set()
-        while not finished:
+        while not p.finished:
             assert time.monotonic() < deadline, "the room never finished on the decode side"
-            pre.step(5)
-            dec.step(5)
-        ((room, status, failure),) = finished
+            p.pre.step(5)
+            p.dec.step(5)
+        ((room, status, failure),) = p.finished
         assert room == 7 and status is RoomStatus.FAILED and failure is not None
         assert "injected engine failure" in failure.detail, failure
-        assert pre.stats.rooms_failed == 1 and pre.stats.rooms_ok == 0
-        assert pre._handles == {} and pb._handles == {}  # every handle of the room released
-    finally:
-        pb.gate.set()
-        pre.close()
-        dec.close()
-        pb.close()
-        db.close()
-        ctx.term()
+        assert p.pre.stats.rooms_failed == 1 and p.pre.stats.rooms_ok == 0
+        assert p.pre._handles == {} and pb._handles == {}  # every handle of the room released
 
 
 def test_an_undecodable_engine_notification_is_recorded_and_the_decode_loop_goes_on() -> None:
