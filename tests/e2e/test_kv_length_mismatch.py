@@ -36,7 +36,7 @@ def test_a_longer_destination_page_list_fails_the_room_on_both_sides() -> None:
             p.dec.step(5)
         for room, status, failure in (p.finished[0], p.released[0]):
             assert (room, status) == (7, RoomStatus.FAILED)
-            assert failure.kind is FailureKind.VALIDATION
+            assert failure is not None and failure.kind is FailureKind.VALIDATION
             assert f"produced {n} KV pages" in failure.detail and f"asked for {n + 3}" in failure.detail
 
 
@@ -57,6 +57,7 @@ def test_a_page_named_twice_across_chunks_fails_the_room_before_anything_is_writ
             p.pre.step(5)
             p.dec.step(5)
         ((room, status, failure),) = p.finished
-        assert (room, status) == (8, RoomStatus.FAILED) and failure.kind is FailureKind.VALIDATION
+        assert (room, status) == (8, RoomStatus.FAILED)
+        assert failure is not None and failure.kind is FailureKind.VALIDATION
         assert f"destination index {int(pages[0])} appears twice" in failure.detail
         assert p.pre.stats.posts == 0  # refused on arrival, nothing of it was written
