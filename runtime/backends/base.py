@@ -384,6 +384,9 @@ class Backend(abc.ABC):
         return list(range(first, len(self.regions)))
 
     supports_vram: bool = False
+    # The engine keeps one entry per remote agent name (NIXL, MoRI): a peer cannot be replaced
+    # by a same-named one while the old one's transfers may still run.
+    peers_keyed_by_name: bool = False
 
     # ---- peers
     def local_metadata(self) -> PeerMetadata:
@@ -397,9 +400,17 @@ class Backend(abc.ABC):
         self._check_open()
         if metadata.agent_name == self.agent_name:
             raise PeerError(f"peer {metadata.agent_name!r} has this backend's own agent name")
+        self._reap()  # a previous incarnation whose transfers stopped since is forgotten now
         old = self._peers.get(metadata.agent_name)
         if old is not None:
             self.remove_peer(old)
+        if self.peers_keyed_by_name and any(p.agent_name == metadata.agent_name for p in self._removing):
+            # The engine holds one entry per name, and the old incarnation's is still in use by
+            # transfers that have not stopped: replacing it now would tear it down under them.
+            raise PeerError(
+                f"peer {metadata.agent_name!r}: its previous incarnation's transfers are still "
+                "stopping; register again once they have (they end at their transfer timeout at the latest)"
+            )
         peer = self._add_peer(metadata)
         if regions is not None:
             regions = tuple(regions)

@@ -72,6 +72,7 @@ class MoriBackend(Backend):
     """The adapter; ``api`` is the module providing MoRI's names (``mori.io`` or the fake)."""
 
     name = "mori"
+    peers_keyed_by_name = True
 
     def __init__(
         self,

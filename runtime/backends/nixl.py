@@ -180,6 +180,7 @@ class _Xfer:
 class NixlBackend(Backend):
     name = "nixl"
     supports_vram = True
+    peers_keyed_by_name = True
 
     def __init__(
         self,

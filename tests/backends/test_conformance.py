@@ -550,3 +550,33 @@ def test_releasing_or_removing_the_peer_of_a_running_transfer_never_blocks(name:
     h = a.post(peer2, mib_table(src.address, dst.address, size), b"again")
     assert a.wait(h, 30).state is TransferState.DONE
     assert not a._draining, "a confirmed, released transfer was never freed"
+
+
+@pytest.mark.parametrize("name", params())
+def test_a_restarted_peer_is_taken_back_only_once_its_old_incarnations_transfers_stopped(
+    name: str, backends: Any
+) -> None:
+    # A decode rank crashes with a write to it in flight and comes back under the same agent
+    # name. An engine that keys remote agents by name must not tear the old entry down under
+    # that write, and must take the new rank once the write stopped (no stale refusal).
+    size = MiB
+    a, b1, src, dst1, old = pair(name, backends, size)
+    with held(name, a) as gate:
+        h = a.post(old, mib_table(src.address, dst1.address, size), b"old")
+        b2 = backends(name, agent_name=b1.agent_name)  # the new incarnation, same name
+        dst2 = b2.allocate("dst", size)
+        b2.register([dst2.region()])
+        if a.peers_keyed_by_name:
+            with pytest.raises(PeerError, match="previous incarnation's transfers are still stopping"):
+                a.add_peer(b2.local_metadata())
+        else:
+            a.add_peer(b2.local_metadata())  # nothing is shared by name: replaced at once
+        assert a.poll(h) == CANCELLING  # the old incarnation's write was cancelled, not dropped
+        gate.set()
+        assert a.wait(h, 30).finished
+    a.release(h)
+    new = a.add_peer(b2.local_metadata())  # taken back now, without any other call in between
+    h2 = a.post(new, mib_table(src.address, dst2.address, size), b"new")
+    assert a.wait(h2, 30).state is TransferState.DONE
+    assert np.array_equal(dst2.array, src.array[:size])
+    a.release(h2)
