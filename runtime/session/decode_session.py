@@ -46,9 +46,13 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
         return r
 
     def check_free(self, room: int) -> None:
-        """Raise DuplicateRoomError if ``room`` is in flight or finished recently."""
+        """Raise DuplicateRoomError if ``room`` is in flight, quarantined or finished recently."""
         if room in self.rooms:
             raise DuplicateRoomError(room, "still in flight on this decode rank")
+        if room in self.quarantined:
+            # its fences are routed by id: a new room of the same id would take the old room's
+            # late AbortAck or Failed for its own and release its slots under live writes
+            raise DuplicateRoomError(room, "failed and still waiting for its senders to stop writing")
         if room in self.tombstones:
             raise DuplicateRoomError(room, f"finished {self.tombstones[room].name} recently")
 

@@ -305,3 +305,21 @@ def test_a_peer_older_than_1_3_fences_only_by_success_or_by_leaving() -> None:
         acts[-1] == ReleaseSlots(ROOM + 1)
         and ReleaseRoom(ROOM + 1, RoomStatus.FAILED, acts[-2].failure) in acts
     )  # type: ignore[union-attr]
+
+
+def test_a_quarantined_room_id_cannot_start_again_even_after_its_tombstone_is_gone() -> None:
+    # the tombstone list is bounded; the quarantine is not: a new room of the same id would
+    # take the old room's late fence for its own
+    s = DecodeSession(room_timeout_s=5.0, tombstones=1)
+    p0 = PeerRef("p", 0)
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True)], now=0.0)
+    fail = Failure(FailureKind.ABORTED, "gave up")
+    assert s.abort(ROOM, fail)[-1] == ReleaseRoom(ROOM, RoomStatus.FAILED, fail)  # slots still held
+    for other in (ROOM + 1, ROOM + 2):  # push its tombstone out
+        s.start_room(other, [SenderPlan(0, p0, aux=True)], now=0.0)
+        s.abort(other, fail)
+    assert ROOM not in s.tombstones and ROOM in s.quarantined
+    with pytest.raises(DuplicateRoomError, match="still waiting for its senders to stop writing"):
+        s.start_room(ROOM, [SenderPlan(0, p0, aux=True)], now=1.0)
+    assert s.on_abort_ack(ROOM, 0) == [ReleaseSlots(ROOM)]  # the old room's fence reaches the old room
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True)], now=2.0)  # and the id is free again
