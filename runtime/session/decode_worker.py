@@ -245,7 +245,10 @@ class DecodeWorker:
     def step(self, timeout_ms: int) -> dict[Any, int]:
         """Poll once: control messages, engine notifications, deadlines. Returns poll events."""
         # with rooms live, engine notifications have nothing to wait on: look again soon
-        events = self._backoff.poll(self.poller) if self.session.rooms else dict(self.poller.poll(timeout_ms))
+        if self.session.rooms:
+            events = self._backoff.poll(self.poller, timeout_ms / 1000)
+        else:
+            events = dict(self.poller.poll(timeout_ms))
         for link in self._links.values():
             if events.get(link.sock):
                 self._drain(link)

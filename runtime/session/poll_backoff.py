@@ -35,13 +35,15 @@ class PollBackoff:
         """Something happened: the next wait is short again (longer with ``in_flight`` to poll)."""
         self.next_s = min(self.longest_s, self.first_s + PER_ITEM_WAIT_S * in_flight)
 
-    def poll(self, poller: zmq.Poller) -> dict[Any, int]:
-        """Poll ``poller`` after the current wait, then lengthen the wait for next time."""
-        wait_s, self.next_s = self.next_s, min(2 * self.next_s, self.longest_s)
+    def poll(self, poller: zmq.Poller, limit_s: float = LONGEST_WAIT_S) -> dict[Any, int]:
+        """Poll ``poller`` after the current wait (never longer than ``limit_s``: a caller's
+        ``step(0)`` must not block), then lengthen the wait for next time."""
+        wait_s = min(self.next_s, limit_s)
+        self.next_s = min(2 * self.next_s, self.longest_s)
         if wait_s >= 1e-3:
             return dict(poller.poll(int(wait_s * 1000)))
         events = dict(poller.poll(0))
-        if events:
+        if events or wait_s <= 0:
             return events
         time.sleep(wait_s)
         return dict(poller.poll(0))

@@ -150,7 +150,7 @@ class PrefillWorker:
         if self._done_now:
             events = dict(self.poller.poll(0))
         elif self._handles:  # engine completions have nothing to wait on: look again soon
-            events = self._backoff.poll(self.poller)
+            events = self._backoff.poll(self.poller, timeout_ms / 1000)
         else:
             events = dict(self.poller.poll(timeout_ms))
         if events.get(self.sock):

@@ -60,3 +60,29 @@ def test_the_first_wait_after_progress_grows_with_the_work_in_flight() -> None:
     assert 2e-5 < b.next_s < 5e-4  # a few transfers: still well under the old fixed 1 ms
     b.progress(10_000)
     assert b.next_s == 1e-3  # never longer than the old fixed poll
+
+
+class _RecordingPoller:
+    """A poller with nothing to report that records every timeout it was given."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[int] = []
+
+    def poll(self, timeout: int) -> list[Any]:
+        self.timeouts.append(timeout)
+        return []
+
+
+def test_a_callers_limit_caps_the_wait_so_step_zero_never_blocks(monkeypatch: Any) -> None:
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"slept {seconds} s although the caller allowed no wait")
+
+    monkeypatch.setattr(poll_backoff.time, "sleep", no_sleep)
+    poller = _RecordingPoller()
+    b = PollBackoff(first_s=5e-4, longest_s=1e-3)
+    assert b.poll(poller, limit_s=0.0) == {}  # type: ignore[arg-type]
+    assert b.next_s == 1e-3  # the backoff still lengthens for a caller that does allow waiting
+    assert b.poll(poller, limit_s=0.0) == {}  # type: ignore[arg-type]  # a 1 ms wait is not taken either
+    assert poller.timeouts == [0, 0]
+    b.poll(poller, limit_s=0.05)  # type: ignore[arg-type]
+    assert poller.timeouts[-1] == 1  # allowed to wait: the 1 ms goes through the poller
