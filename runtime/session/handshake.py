@@ -13,7 +13,9 @@ then validates it against this side's model, refusing any disagreement with a
 self-description (the fields read as their defaults), so for it the structure is borrowed from
 this side's own model, as before 1.2: same kinds, same tensor count and names, indexing by
 kind, replication from the local component; only counts that do not split evenly are refused.
-The memory kind of a component is never on the wire and is always this side's.
+The memory kind of a component is never on the wire and is always this side's. From 1.3 a
+component also names the layer of each per-layer entry (``layer_ids``); a peer without them
+(older than 1.3) is accepted only without PP, where they can only be 0..n-1.
 
 Engines that address memory by descriptor (MoRI) publish one opaque blob per registered
 region (``PeerMetadata.region_descs``, in the planner's region order). RegisterInfo carries
