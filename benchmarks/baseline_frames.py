@@ -7,6 +7,7 @@ lists, ASCII decimal integers, and everything unpacked back to Python lists.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -71,6 +72,17 @@ def ascii_int(v: int) -> bytes:
 
 K = TypeVar("K")
 TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def codec_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every codec benchmark takes: rounds, a quick smoke mode and the timer."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--repeat", type=int, default=21)
+    ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
+    ap.add_argument(
+        "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
+    )
+    return ap
 
 
 def _calibrate(fn: Callable[[], object], clock: Callable[[], float], seconds: float) -> int:

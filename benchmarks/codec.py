@@ -15,7 +15,6 @@ taking turns in the same process); "fastest" is the best round.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from collections.abc import Callable
@@ -25,8 +24,8 @@ import msgspec
 import numpy as np
 import pdwire.wire as w
 from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
-    TIMERS,
     ascii_int,
+    codec_arguments,
     interleaved_us,
     machine_line,
     native_u64,
@@ -300,12 +299,7 @@ Case = tuple[str, str, Callable[[], list[Any]], Callable[[list[bytes]], object]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
-    ap.add_argument(
-        "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
-    )
+    ap = codec_arguments(__doc__.splitlines()[0])
     ap.add_argument("--sglang", action="store_true", help="also the SGLang profile rows (codec_sglang.py)")
     args = ap.parse_args(argv)
 

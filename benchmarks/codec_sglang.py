@@ -16,7 +16,6 @@ each the mean over many calls, same process; ``--timer cpu`` counts this process
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import struct
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
-    TIMERS,
+    codec_arguments,
     interleaved_us,
     machine_line,
     native_u64,
@@ -295,12 +294,7 @@ def run(repeat: int, quick: bool, timer: str = "wall") -> tuple[list[str], list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--quick", action="store_true", help="short runs (a smoke check, numbers are noisier)")
-    ap.add_argument(
-        "--timer", choices=sorted(TIMERS), default="wall", help="wall clock, or this process's CPU time"
-    )
+    ap = codec_arguments(__doc__.splitlines()[0])
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     rows, reference = run(args.repeat, args.quick, args.timer)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .errors import SchemaError, where
 from .model import INT_RANGES, Field, Message, Protocol, TypeRef, Version, format_version
-from .render import _env, banner, mod_name
+from .render import _env, banner, mod_name, render_files
 
 # encoding -> type spellings it accepts ("int" = any integer scalar, "enum" = any enum)
 ENCODINGS: dict[str, frozenset[str]] = {
@@ -539,12 +539,4 @@ def render_positional(p: Protocol, source: str) -> dict[str, str]:
         "backends": sorted({m.backend for v in versions for m in v.messages}),
         "imports": _imports(p.rules or ""),
     }
-    files: dict[str, str] = {}
-    for vv in versions:
-        files[f"{vv.module}.py"] = env.get_template("positional_version.py.j2").render(ctx, v=vv)
-    files["codec.py"] = env.get_template("positional_codec.py.j2").render(ctx)
-    files["strategies.py"] = env.get_template("positional_strategies.py.j2").render(ctx)
-    files["__init__.py"] = env.get_template("positional_init.py.j2").render(ctx)
-    files["REFERENCE.md"] = env.get_template("positional_reference.md.j2").render(ctx)
-    files["py.typed"] = ""
-    return files
+    return render_files(env, ctx, versions, template_prefix="positional_")

@@ -10,8 +10,10 @@ builder and templates keyed by the schema's ``layout:`` and each field's ``encod
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -552,12 +554,23 @@ def render_protocol(p: Protocol, source: str) -> dict[str, str]:
         "show_default": show_default,
         "source": source,
     }
+    return render_files(env, ctx, versions, template_prefix="")
+
+
+def render_files(
+    env: jinja2.Environment, ctx: dict[str, Any], versions: Sequence[Any], template_prefix: str
+) -> dict[str, str]:
+    """The files every layout generates from its templates (``<prefix>version.py.j2`` once per
+    version, then the codec, strategies, package init and wire reference): path -> text."""
     files: dict[str, str] = {}
     for vv in versions:
-        files[f"{vv.module}.py"] = env.get_template("version.py.j2").render(ctx, v=vv)
-    files["codec.py"] = env.get_template("codec.py.j2").render(ctx)
-    files["strategies.py"] = env.get_template("strategies.py.j2").render(ctx)
-    files["__init__.py"] = env.get_template("init.py.j2").render(ctx)
-    files["REFERENCE.md"] = env.get_template("reference.md.j2").render(ctx)
+        files[f"{vv.module}.py"] = env.get_template(f"{template_prefix}version.py.j2").render(ctx, v=vv)
+    for name, template in (
+        ("codec.py", "codec.py.j2"),
+        ("strategies.py", "strategies.py.j2"),
+        ("__init__.py", "init.py.j2"),
+        ("REFERENCE.md", "reference.md.j2"),
+    ):
+        files[name] = env.get_template(template_prefix + template).render(ctx)
     files["py.typed"] = ""
     return files

@@ -176,6 +176,15 @@ class _Xfer:
     def active(self) -> bool:
         return _PROC in self.states
 
+    def record(self, i: int, state: str, call: str, peer: str) -> None:
+        """Request ``i``'s state as NIXL's ``call`` reported it; the first error explains the
+        transfer (its text is built only then: this runs on every poll)."""
+        if state.startswith(_ERR):
+            self.states[i] = _ERR
+            self.error = self.error or f"NIXL {call} {state} for a WRITE to {peer!r}"
+        else:
+            self.states[i] = _DONE if state == _DONE else _PROC
+
 
 class NixlBackend(Backend):
     name = "nixl"
@@ -343,11 +352,7 @@ class NixlBackend(Backend):
                 state = self._agent.transfer(req)
             except Exception as exc:
                 state = f"ERR (transfer() raised: {exc})"
-            if state.startswith(_ERR):
-                x.states[i] = _ERR
-                x.error = f"NIXL transfer() returned {state} for a WRITE to {peer_name!r}"
-            else:
-                x.states[i] = _DONE if state == _DONE else _PROC
+            x.record(i, state, "transfer() returned", peer_name)
 
     def post_prepped(
         self, peer: Peer, table: DescriptorTable, notification: bytes, slot_bytes: int
@@ -409,11 +414,7 @@ class NixlBackend(Backend):
                 state = self._agent.check_xfer_state(req)
             except Exception as exc:
                 state = f"ERR ({exc})"
-            if state.startswith(_ERR):
-                x.states[i] = _ERR
-                x.error = x.error or f"NIXL reported {state} for a WRITE to {handle.peer.agent_name!r}"
-            elif state == _DONE:
-                x.states[i] = _DONE
+            x.record(i, state, "reported", handle.peer.agent_name)
         if x.active:
             return PENDING  # after an error or a cancel too: final only once no batch is active
         if x.error:
