@@ -13,6 +13,14 @@ from .generate import render_all, stale, write
 REPO = Path(__file__).resolve().parent.parent
 
 
+def in_checkout(root: Path = REPO) -> bool:
+    """Whether this code runs from a clone (schema/, generated/, pyproject.toml side by side),
+    not from an installed package, whose generated codecs are part of the release."""
+    return (
+        (root / "pyproject.toml").is_file() and (root / "generated").is_dir() and (root / "schema").is_dir()
+    )
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("codegen", help="generate the wire codecs from the YAML schema")
     p.add_argument(
@@ -22,12 +30,29 @@ def register(subparsers: Any) -> None:
         "--schema", type=Path, default=REPO / "schema", help="schema folder (default: %(default)s)"
     )
     p.add_argument(
-        "--out", type=Path, default=REPO / "generated", help="output folder (default: %(default)s)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: generated/ of the checkout; an installed pdwire has none and"
+        " needs --out: it never writes into its own package)",
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is None:
+        if not in_checkout():
+            what = "compare" if args.check else "write"
+            print(
+                f"pdwire codegen: not in a pdwire checkout (this is the installed package {REPO}, whose "
+                f"codecs were generated with the release); pass --out DIR to {what} a folder of codecs",
+                file=sys.stderr,
+            )
+            return 2
+        args.out = REPO / "generated"
+    if not args.schema.is_dir():
+        print(f"pdwire codegen: {args.schema}: no such schema folder", file=sys.stderr)
+        return 2
     try:
         out = render_all(args.schema, REPO)
     except SchemaError as exc:
@@ -42,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"{args.out}: {len(out.files)} generated files are current")
         return 0
-    written = write(out, args.out)
+    try:
+        written = write(out, args.out)
+    except OSError as exc:
+        print(f"pdwire codegen: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     for path in written:
         print(f"wrote {path}")
     if not written:

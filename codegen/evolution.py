@@ -43,6 +43,15 @@ def check_protocol(p: Protocol) -> None:
             raise SchemaError(
                 where(f), "versions list migrations but the protocol names no migrations module"
             )
+    promised: dict[str, Version] = {}
+    for info in p.versions:
+        for name, _ in info.promises:
+            loc = where(f) + f", version {format_version(info.version)}, promise {name}"
+            if not name.isidentifier() or name != name.lower():
+                raise SchemaError(loc, "promise names are lower_snake_case")
+            if name in promised:
+                raise SchemaError(loc, f"already promised from {format_version(promised[name])}")
+            promised[name] = info.version
     _check_enums(p)
     type_ids: dict[int, str] = {}
     for tid, name in p.reserved_types:

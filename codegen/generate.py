@@ -7,17 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .loader import load_dir
+from .model import Protocol
 from .positional import render_positional
-from .render import render_protocol
-
-# the protocol whose generated package is `pdwire.wire` itself; others get a sub-folder
-ROOT_PROTOCOL = "pdwire"
+from .render import ROOT_PROTOCOL, render_protocol
 
 
 @dataclass(frozen=True)
 class Output:
     files: dict[Path, str]  # path relative to the output folder -> text
     owned_dirs: frozenset[Path]  # folders whose *.py/*.md are all generated
+
+
+def render_one(proto: Protocol, label: str) -> dict[str, str]:
+    """Every generated file of one loaded protocol (``label``: the schema's name in banners)."""
+    render = render_positional if proto.layout == "positional" else render_protocol
+    return render(proto, label)
 
 
 def render_all(schema_dir: Path, repo_root: Path) -> Output:
@@ -31,8 +35,7 @@ def render_all(schema_dir: Path, repo_root: Path) -> Output:
             label = src.name
         sub = Path() if proto.name == ROOT_PROTOCOL else Path(proto.name)
         dirs.add(sub)
-        render = render_positional if proto.layout == "positional" else render_protocol
-        for rel, text in render(proto, label).items():
+        for rel, text in render_one(proto, label).items():
             files[sub / rel] = text
     return Output(files, frozenset(dirs))
 
@@ -64,7 +67,8 @@ def stale(out: Output, out_dir: Path) -> list[str]:
 
 
 def write(out: Output, out_dir: Path) -> list[Path]:
-    """Write changed files; return the paths written."""
+    """Write changed files and delete generated ones the schema no longer produces; return
+    the paths written or deleted."""
     written = []
     for rel, text in sorted(out.files.items()):
         path = out_dir / rel
@@ -72,4 +76,13 @@ def write(out: Output, out_dir: Path) -> list[Path]:
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             written.append(path)
+    for d in out.owned_dirs:
+        for path in sorted((out_dir / d).glob("*")):
+            if (
+                path.is_file()
+                and path.suffix in (".py", ".md")
+                and path.relative_to(out_dir) not in out.files
+            ):
+                path.unlink()
+                written.append(path)
     return written

@@ -107,14 +107,16 @@ def _check_default(f: FieldDoc, ty: TypeRef, enums: Mapping[str, msgspec.Struct]
     raise SchemaError(loc, f"fields of message type {ty.name} cannot have a default")
 
 
-def _build_field(fd: FieldDoc, msg_name: str, md: MessageDoc, doc: ProtocolDoc, file: str) -> Field:
+def _build_field(
+    fd: FieldDoc, msg_name: str, md: MessageDoc, doc: ProtocolDoc, file: str, first: str
+) -> Field:
     loc = where(file, msg_name, f"{fd.name} (id {fd.id})")
     if not _FIELD_NAME_RE.match(fd.name):
         raise SchemaError(loc, "field names are lower_snake_case")
     if fd.id < 0:
         raise SchemaError(loc, "field ids are >= 0")
     ty = parse_type(fd.type, loc, doc.enums, doc.messages)
-    since = parse_version(fd.since or md.since, loc)
+    since = parse_version(fd.since or md.since or first, loc)
     removed = parse_version(fd.removed, loc) if fd.removed is not None else None
     deprecated: str | None
     if fd.deprecated is False:
@@ -135,14 +137,23 @@ def _build_field(fd: FieldDoc, msg_name: str, md: MessageDoc, doc: ProtocolDoc, 
         encoding=fd.encoding,
         frame=fd.frame,
         fallback=fd.fallback,
+        downgrade=_downgrade(fd, loc),
     )
 
 
-def _min_frames(md: MessageDoc, name: str, file: str) -> tuple[tuple[Version, int], ...]:
+def _downgrade(fd: FieldDoc, loc: str) -> str:
+    if fd.downgrade not in ("refuse", "drop"):
+        raise SchemaError(loc, f"downgrade {fd.downgrade!r}: refuse (the default) or drop")
+    if fd.downgrade == "drop" and fd.default is msgspec.UNSET:
+        raise SchemaError(loc, "downgrade: drop needs a default (what older minors read instead)")
+    return fd.downgrade
+
+
+def _min_frames(md: MessageDoc, name: str, file: str, first: str) -> tuple[tuple[Version, int], ...]:
     if md.min_frames is None:
         return ()
     if isinstance(md.min_frames, int):
-        return ((parse_version(md.since, where(file, name)), md.min_frames),)
+        return ((parse_version(md.since or first, where(file, name)), md.min_frames),)
     return tuple(sorted((parse_version(k, where(file, name)), n) for k, n in md.min_frames.items()))
 
 
@@ -150,23 +161,27 @@ def build_protocol(doc: ProtocolDoc, file: str) -> Protocol:
     """Build the model from a decoded document; no evolution rules yet."""
     versions = tuple(
         VersionInfo(
-            parse_version(v.version, where(file) + f", version {v.version}"), v.doc.strip(), tuple(v.migrate)
+            parse_version(v.version, where(file) + f", version {v.version}"),
+            v.doc.strip(),
+            tuple(v.migrate),
+            tuple((name, " ".join(text.split())) for name, text in v.promises.items()),
         )
         for v in doc.versions
     )
     if not versions:
         raise SchemaError(where(file), "a protocol lists at least one version")
+    first = doc.versions[0].version  # what `since` defaults to
     enums: dict[str, Enum] = {}
     for name, ed in doc.enums.items():
         loc = f"{where(file)}: enum {name}"
         if not _NAME_RE.match(name):
             raise SchemaError(loc, "enum names are identifiers")
-        since = parse_version(ed.since, loc)
+        since = parse_version(ed.since or first, loc)
         vals = []
         for vname, num in ed.values.items():
             if not _FIELD_NAME_RE.match(vname):
                 raise SchemaError(f"{loc}, value {vname}", "enum value names are lower_snake_case")
-            vsince = parse_version(ed.value_since.get(vname, ed.since), f"{loc}, value {vname}")
+            vsince = parse_version(ed.value_since.get(vname, ed.since or first), f"{loc}, value {vname}")
             vals.append(EnumValue(vname, num, vsince))
         for vname in ed.value_since:
             if vname not in ed.values:
@@ -178,17 +193,17 @@ def build_protocol(doc: ProtocolDoc, file: str) -> Protocol:
             raise SchemaError(where(file, name), "message names are CapitalisedIdentifiers")
         if name in enums:
             raise SchemaError(where(file, name), "a message and an enum share this name")
-        fields = tuple(_build_field(fd, name, md, doc, file) for fd in md.fields)
+        fields = tuple(_build_field(fd, name, md, doc, file, first) for fd in md.fields)
         reserved = tuple(Reserved(r.id, r.name, r.doc) for r in md.reserved)
         messages[name] = Message(
             name=name,
             type_id=md.type_id,
-            since=parse_version(md.since, where(file, name)),
+            since=parse_version(md.since or first, where(file, name)),
             doc=md.doc.strip(),
             fields=fields,
             reserved=reserved,
             backend=md.backend,
-            min_frames=_min_frames(md, name, file),
+            min_frames=_min_frames(md, name, file, first),
             match=tuple(sorted(md.match.items())),
             checks=tuple(md.checks),
             derived=tuple(md.derived.items()),

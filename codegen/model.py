@@ -91,6 +91,7 @@ class Field:
     encoding: str | None = None
     frame: int | None = None  # positional layouts only
     fallback: str | None = None  # positional layouts only
+    downgrade: str = "refuse"  # or "drop": what sending to a minor before `since` does with a value
 
     @property
     def required(self) -> bool:
@@ -180,6 +181,7 @@ class VersionInfo:
     version: Version
     doc: str
     migrate: tuple[str, ...] = ()
+    promises: tuple[tuple[str, str], ...] = ()  # (name, what peers may rely on) made from here on
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ read-only properties such as a backend's dummy rule).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import SchemaError, where
 from .model import INT_RANGES, Field, Message, Protocol, TypeRef, Version, format_version
-from .render import _env, banner, mod_name, render_files
+from .render import mod_name
+from .templating import banner, environment, render_formatted
 
 # encoding -> type spellings it accepts ("int" = any integer scalar, "enum" = any enum)
 ENCODINGS: dict[str, frozenset[str]] = {
@@ -206,6 +207,23 @@ class VersionView:
     doc: str
     messages: list[MessageView]
     enums: list[tuple[str, str, list[tuple[str, int]]]]
+    # messages and enums identical to an earlier version's: name -> the module defining them
+    shared: dict[str, str] = field(default_factory=dict)
+    # name -> every version (as tuple literals) whose model is the one defined here
+    versions_of: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def own_messages(self) -> list[MessageView]:
+        return [m for m in self.messages if m.name not in self.shared]
+
+    @property
+    def own_enums(self) -> list[tuple[str, str, list[tuple[str, int]]]]:
+        return [e for e in self.enums if e[0] not in self.shared]
+
+    @property
+    def sources(self) -> list[str]:
+        """The earlier modules this one takes shared definitions from."""
+        return sorted(set(self.shared.values()))
 
 
 def _py_type(t: TypeRef) -> str:
@@ -506,37 +524,72 @@ def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
 
 
 def version_views(p: Protocol) -> list[VersionView]:
-    out = []
+    out: list[VersionView] = []
     for info in p.versions:
         v = info.version
         enums = [(e.name, e.doc, [(x.name.upper(), x.number) for x in e.values_at(v)]) for e in p.enums_at(v)]
         msgs = [_message_view(p, m, v) for m in p.messages_at(v)]
         out.append(VersionView(v, format_version(v), mod_name(v), info.doc, msgs, enums))
+    _share(p, out)
     return out
 
 
-def _imports(rules: str) -> list[str]:
-    """The runtime imports of a version module, in the order ruff's isort wants them."""
+def _share(p: Protocol, versions: list[VersionView]) -> None:
+    """An enum or message whose view is identical to one of an earlier version is defined once,
+    in the earliest, and the later modules take it from there: one class per distinct model
+    (its ``VERSIONS`` lists where it applies). A message is shared only with every enum it uses."""
+    home: dict[tuple[str, object], VersionView] = {}  # (name, view) -> the defining version
+    for vv in versions:
+        for e in vv.enums:
+            key = (e[0], repr(e))
+            if key in home:
+                vv.shared[e[0]] = home[key].module
+            else:
+                home[key] = vv
+            home[key].versions_of.setdefault(e[0], []).append(repr(vv.version))
+        for m in vv.messages:
+            key = (m.name, repr(m))
+            fields = p.messages[m.name].fields_at(vv.version)
+            used = {t.name for f in fields for t in f.type.walk() if t.kind == "enum"}
+            if key in home and all(home[key].module == vv.shared.get(e) for e in used):
+                vv.shared[m.name] = home[key].module
+            else:
+                home[key] = vv
+            home[key].versions_of.setdefault(m.name, []).append(repr(vv.version))
+
+
+def _imports(rules: str, uses_rules: bool) -> list[str]:
+    """The runtime imports of a version module, in the order ruff's isort wants them
+    (the rules module only where a message names a check or a derived property)."""
     pkg, _, mod = rules.rpartition(".")
     lines = {
         "from pdwire.wirecore import frame_encodings as _fe",
         "from pdwire.wirecore import positional_codec as _pc",
-        f"from {pkg} import {mod} as _rules",
     }
+    if uses_rules:
+        lines.add(f"from {pkg} import {mod} as _rules")
     return sorted(lines, key=lambda x: (x.split(" import ")[0], x.split(" import ")[1]))
 
 
 def render_positional(p: Protocol, source: str) -> dict[str, str]:
     """Every generated file of one positional protocol: relative path -> text."""
-    env = _env()
+    env = environment()
     versions = version_views(p)
     ctx = {
         "p": p,
-        "banner": banner(p, source),
-        "md_banner": banner(p, source, "<!--").replace("\n", " -->\n") + " -->",
+        "banner": banner(source),
+        "md_banner": banner(source, "<!--").replace("\n", " -->\n") + " -->",
         "versions": versions,
         "newest": versions[-1],
         "backends": sorted({m.backend for v in versions for m in v.messages}),
-        "imports": _imports(p.rules or ""),
+        "imports": _imports(p.rules or "", any(m.checks or m.derived for m in p.messages.values())),
     }
-    return render_files(env, ctx, versions, template_prefix="positional_")
+    files: dict[str, str] = {}
+    for vv in versions:
+        name = f"{vv.module}.py"
+        files[name] = render_formatted(env, "positional_version.py.j2", name, ctx, v=vv)
+    for name in ("codec.py", "strategies.py", "__init__.py"):
+        files[name] = render_formatted(env, f"positional_{name.replace('__init__', 'init')}.j2", name, ctx)
+    files["REFERENCE.md"] = env.get_template("positional_reference.md.j2").render(ctx)
+    files["py.typed"] = ""
+    return files

@@ -1,122 +1,277 @@
-"""Build per-layout view data from the model and render the jinja2 templates.
+"""The envelope layout: typed view objects built from the model, rendered by the templates.
 
-All decisions (type spellings, defaults, encode/decode expressions, which classes a newer
-version shares with the older one) are made here in Python; the templates only loop and
-print. A *layout* is a set of templates plus the view builder feeding them: the envelope
-layout is the only one today; a positional layout (SGLang frames) would add its own
-builder and templates keyed by the schema's ``layout:`` and each field's ``encoding:``.
+The views say *what* there is (a field, its type, default, the minor it appeared in, how an
+older minor treats it); the templates in ``templates/envelope/`` say *how* it becomes code,
+one macro per type kind (``macros.j2``). Output is formatted with ruff (:mod:`.format`).
+
+One model per major: a major's structs are its newest minor's, and every older minor is
+described by small declarations instead of copies: the body length per minor, what an
+older minor cannot carry (``at``: hooks of ``migrate:``, fields dropped with
+``downgrade: drop``, everything else refused), and, only for minors whose body still holds
+fields removed later, a legacy layout.
 """
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import cached_property
 from typing import Any
 
-import jinja2
+from .model import INT_RANGES, Enum, Field, Message, Protocol, TypeRef, Version, format_version
+from .templating import banner, environment, render_formatted
 
-from .model import ARRAY_DTYPES, INT_RANGES, Enum, Field, Message, Protocol, TypeRef, Version, format_version
-
-TEMPLATES = Path(__file__).parent / "templates"
-_NP = {"i32": "np.int32", "u32": "np.uint32", "u64": "np.uint64"}
-_DT = {"i32": "I32", "u32": "U32", "u64": "U64"}
+_DTYPE = {"i32": "I32", "u32": "U32", "u64": "U64"}
+_ITEMSIZE = {"i32": 4, "u32": 4, "u64": 8}
 
 
 def mod_name(v: Version) -> str:
     return f"v{v[0]}_{v[1]}"
 
 
+def major_module(major: int) -> str:
+    return f"v{major}"
+
+
 def const(name: str) -> str:
     return name.upper()
 
 
-# --- signatures: a class is shared by consecutive versions when nothing it reaches changed --
-def enum_sig(e: Enum, v: Version) -> tuple[object, ...]:
-    return ("enum", e.name, tuple((x.name, x.number) for x in e.values_at(v)))
+# --- types -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TypeView:
+    """A field type as the templates see it (``kind`` picks the macro)."""
+
+    kind: str  # scalar, str, bytes, array, list, optional, enum, message
+    name: str  # scalar name, array element, enum or message name
+    elem: TypeView | None
+    spell: str
+
+    @property
+    def dtype(self) -> str:
+        """The array dtype constant (``U64``)."""
+        return _DTYPE[self.name]
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.name]
+
+    @property
+    def lo(self) -> int:
+        return INT_RANGES[self.name][0]
+
+    @property
+    def hi(self) -> int:
+        return INT_RANGES[self.name][1]
+
+    @property
+    def converts(self) -> bool:
+        """Whether values need conversion between the model and the wire (arrays, messages)."""
+        return self.kind in ("array", "message") or (self.elem is not None and self.elem.converts)
+
+    def walk(self) -> list[TypeView]:
+        return [self] + (self.elem.walk() if self.elem is not None else [])
+
+    @property
+    def messages(self) -> list[str]:
+        return [t.name for t in self.walk() if t.kind == "message"]
+
+    @property
+    def enums(self) -> list[str]:
+        return [t.name for t in self.walk() if t.kind == "enum"]
 
 
-def message_sig(p: Protocol, m: Message, v: Version) -> tuple[object, ...]:
-    parts: list[object] = ["msg", m.name]
-    for s in m.slots_at(v):
-        f = s.field
-        if f is None:
-            parts.append((s.id, None))
-            continue
-        parts.append((s.id, f.name, f.type.spell(), repr(f.default), s.live))
-        for t in f.type.walk():
-            if t.kind == "enum":
-                parts.append(enum_sig(p.enums[t.name], v))
-            elif t.kind == "message":
-                parts.append(message_sig(p, p.messages[t.name], v))
-    return tuple(parts)
+def type_view(t: TypeRef) -> TypeView:
+    return TypeView(t.kind, t.name, type_view(t.elem) if t.elem is not None else None, t.spell())
 
 
-# --- type spellings -------------------------------------------------------------------------
-def py_type(t: TypeRef) -> str:
-    if t.kind == "scalar":
-        return "bool" if t.name == "bool" else "int"
-    if t.kind == "str":
-        return "str"
-    if t.kind in ("bytes", "blob"):
-        return "bytes"
-    if t.kind == "array":
-        return f"npt.NDArray[{_NP[t.name]}]"
-    assert t.elem is not None or t.kind in ("enum", "message")
-    if t.kind == "list":
-        assert t.elem is not None
-        return f"list[{py_type(t.elem)}]"
-    if t.kind == "optional":
-        assert t.elem is not None
-        return f"{py_type(t.elem)} | None"
-    return t.name
+# --- fields, slots, messages ---------------------------------------------------------------------
+def _loops(t: TypeView) -> bool:
+    """A list whose items need converting (arrays, messages): built by a loop."""
+    return t.kind == "list" and t.elem is not None and t.elem.converts
 
 
-def wire_type(t: TypeRef) -> str:
-    if t.kind == "scalar":
-        return "bool" if t.name == "bool" else f"_t.{t.name.upper()}"
-    if t.kind == "array":
-        return "_t.ArrayRef"
-    if t.kind == "list":
-        assert t.elem is not None
-        return f"list[{wire_type(t.elem)}]"
-    if t.kind == "optional":
-        assert t.elem is not None
-        return f"{wire_type(t.elem)} | None"
-    if t.kind == "message":
-        return f"_W_{t.name}"
-    return py_type(t)
+@dataclass(frozen=True)
+class FieldView:
+    id: int
+    name: str
+    type: TypeView
+    required: bool
+    default: str  # the default as a Python literal of the model (enum member, [], b"", 0...)
+    wire_value: str  # the default as it goes on the wire (what a placeholder carries)
+    doc: str
+    since: int  # minor of this major it appeared in (0 when it came with an earlier major)
+    deprecated: str | None
+    downgrade: str  # refuse, drop or hook: what an older minor does with a non-default value
+    removed: str | None  # version text, for placeholders and legacy fields
+
+    @property
+    def where(self) -> str:
+        return self.name
 
 
-def enum_member(p: Protocol, enum: str, value: object) -> str:
-    return f"{enum}.{const(str(value))}"
+@dataclass(frozen=True)
+class SlotView:
+    id: int
+    field: FieldView | None  # None: a reserved id
+    live: bool
+    name: str  # field name (live), reserved_<id> (placeholder)
+    note: str  # placeholders: why the position is kept
 
 
-def py_default(p: Protocol, f: Field) -> str | None:
-    if f.required:
-        return None
+@dataclass(frozen=True)
+class StepView:
+    """What an older minor than ``minor`` cannot carry of one message."""
+
+    minor: int
+    hook: str | None  # migrations function called below this minor
+    legacy_hook: bool  # the hook also supplies removed fields' values (a legacy layout below)
+    refused: list[FieldView]  # fields added at this minor: a non-default value is refused
+    reset: list[FieldView]  # fields added at this minor that are dropped (by the hook or `drop`)
+    enum_fields: list[tuple[FieldView, str]]  # (field, enum) whose enum gained values at this minor
+
+
+@dataclass(frozen=True)
+class LegacyView:
+    """The body of an older minor that still carries fields the model has lost."""
+
+    minor: int
+    slots: list[SlotView]
+    old: list[FieldView]  # the fields live here and removed later in the major
+    hook_minor: int  # the minor whose hooks convert (the first after this one that removes them)
+
+
+@dataclass
+class MessageView:
+    name: str
+    doc: str
+    type_id: int | None
+    since: int
+    fields: list[FieldView]
+    slots: list[SlotView]
+    lengths: list[int]  # body length at each minor of the major (0 when the message is absent)
+    steps: list[StepView]
+    nested_at: list[tuple[FieldView, int]]  # nested fields whose messages change below a minor
+    nested_trim: list[tuple[SlotView, list[str]]]  # positions holding messages that need trimming
+    legacy: list[LegacyView] = field(default_factory=list)
+
+    @property
+    def scalars(self) -> list[FieldView]:
+        """Fields checked on encode: ints, bools, enums and strings, optional or not."""
+        out = []
+        for f in self.fields:
+            t = f.type.elem if f.type.kind == "optional" else f.type
+            if t is not None and t.kind in ("scalar", "enum", "str"):
+                out.append(f)
+        return out
+
+    @property
+    def staged(self) -> list[SlotView]:
+        """Live positions converted before the body list is built, in body order (so side
+        frames keep their order): every converting one, when one of them is a list of
+        converting items, which a loop builds (cheaper than a comprehension in CPython 3.11
+        for the few items these lists hold)."""
+        conv = [s for s in self.slots if s.live and s.field is not None and s.field.type.converts]
+        return conv if any(s.field is not None and _loops(s.field.type) for s in conv) else []
+
+    @property
+    def staged_fields(self) -> list[FieldView]:
+        """The same for the fast decoder, in field order (the order it reads side frames in)."""
+        conv = [f for f in self.fields if f.type.converts]
+        return conv if any(_loops(f.type) for f in conv) else []
+
+    @property
+    def has_at(self) -> bool:
+        return bool(self.steps or self.nested_at)
+
+    @property
+    def last_change(self) -> int:
+        """The newest minor below which ``at`` changes anything (0: never)."""
+        return max([s.minor for s in self.steps] + [m for _, m in self.nested_at] + [0])
+
+    @property
+    def needs_trim(self) -> bool:
+        newest = self.lengths[-1]
+        return any(0 < n < newest for n in self.lengths) or bool(self.nested_trim)
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.slots)
+
+
+@dataclass(frozen=True)
+class EnumView:
+    name: str
+    doc: str
+    values: list[tuple[str, int, int]]  # (CONST, number, minor it appeared in)
+
+    @property
+    def later(self) -> list[tuple[str, int, int]]:
+        return [x for x in self.values if x[2] > 0]
+
+
+@dataclass
+class MajorView:
+    major: int
+    minors: list[int]
+    module: str
+    versions: list[tuple[Version, str]]  # (version, doc) of the minors
+    enums: list[EnumView]
+    messages: list[MessageView]  # nested first
+    migrations: str | None
+
+    @property
+    def newest(self) -> int:
+        return self.minors[-1]
+
+    def _types(self) -> list[TypeView]:
+        fields = [f for m in self.messages for f in m.fields]
+        fields += [f for m in self.messages for lg in m.legacy for f in lg.old]
+        fields += [s.field for m in self.messages for s in m.slots if s.field is not None]
+        return [t for f in fields for t in f.type.walk()]
+
+    @cached_property
+    def uses_arrays(self) -> bool:
+        """Whether any field holds a packed array (the module imports ``numpy.typing``)."""
+        return any(t.kind == "array" for t in self._types())
+
+    @cached_property
+    def uses_wire_types(self) -> bool:
+        """Whether any wire position has a range-checked type of ``pdwire.wirecore.types``."""
+        return any(t.kind == "array" or (t.kind == "scalar" and t.name != "bool") for t in self._types())
+
+    @property
+    def top_level(self) -> list[MessageView]:
+        return sorted((m for m in self.messages if m.type_id is not None), key=lambda m: m.type_id or 0)
+
+    @cached_property
+    def by_name(self) -> dict[str, MessageView]:
+        return {m.name: m for m in self.messages}
+
+    @property
+    def text(self) -> str:
+        return (
+            f"{self.major}.{self.minors[0]}-{self.major}.{self.newest}"
+            if len(self.minors) > 1
+            else f"{self.major}.0"
+        )
+
+
+def _literal(p: Protocol, f: Field) -> str:
     t, d = f.type, f.default
-    if t.kind == "array":
-        return f"msgspec.field(default_factory=_a.empty_{t.name})"
-    if t.kind == "list":
-        return "msgspec.field(default_factory=list)"
+    if f.required:
+        return "None"
+    if t.kind in ("array", "list"):
+        return "[]"
     if t.kind == "enum":
-        return enum_member(p, t.name, d)
+        return f"{t.name}.{const(str(d))}"
     if t.kind in ("bytes", "blob"):
         return 'b""'
     return repr(d)
 
 
-def wire_default(p: Protocol, f: Field) -> str | None:
-    if f.type.kind == "array" and not f.required:
-        return 'b""'
-    return py_default(p, f)
-
-
-def wire_literal(p: Protocol, f: Field | None) -> str:
-    """The default of a removed field as it goes on the wire (what older readers expect)."""
-    if f is None:
+def _wire_value(p: Protocol, f: Field | None) -> str:
+    if f is None or f.required:
         return "None"
     t, d = f.type, f.default
     if t.kind in ("array", "bytes", "blob"):
@@ -128,387 +283,180 @@ def wire_literal(p: Protocol, f: Field | None) -> str:
     return repr(d)
 
 
-def needs_conv(t: TypeRef) -> bool:
-    return any(x.kind in ("array", "message") for x in t.walk())
+def _minor_in(v: Version, major: int) -> int:
+    """The minor of ``major`` a version maps to: its own minor, or 0 for an earlier major."""
+    return v[1] if v[0] == major else 0
 
 
-def _bind(var: str, tmp: str) -> tuple[str, str]:
-    """``(first use, later uses)`` of ``var``: an attribute read once through a walrus temporary."""
-    if var.isidentifier():
-        return var, var
-    return f"{tmp} := {var}", tmp  # only ever a call argument: type(x := m.f)
+def _field_view(p: Protocol, f: Field, major: int) -> FieldView:
+    return FieldView(
+        id=f.id,
+        name=f.name,
+        type=type_view(f.type),
+        required=f.required,
+        default=_literal(p, f),
+        wire_value=_wire_value(p, f),
+        doc=f.doc,
+        since=_minor_in(f.since, major),
+        deprecated=f.deprecated,
+        downgrade=f.downgrade,
+        removed=format_version(f.removed) if f.removed else None,
+    )
 
 
-def enc_expr(t: TypeRef, var: str, where: str, tag: str = "", depth: int = 0) -> str:
-    if t.kind == "array":
-        # Inline fast path for a 1-D ndarray of exactly the wire dtype: a small one is copied
-        # by tobytes() (cheaper than a memoryview, and C order whatever its strides), a large
-        # one becomes a side frame in _big; anything else goes through _pack, which coerces
-        # or raises EncodeError naming the field.
-        dt = f"_{_DT[t.name]}"
-        first, x = _bind(var, f"x{tag}")
-        return (
-            f"(({x}.tobytes() if {x}.nbytes < _SIDE_MIN else _big({x}, {dt}, side, {where!r}))"
-            f" if type({first}) is _nd and {x}.dtype is {dt} and {x}.ndim == 1"
-            f" else _pack({x}, {dt}, side, {where!r}))"
-        )
-    if t.kind == "message":
-        return f"_enc_{t.name}({var}, side)"
-    if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
-        e = f"e{depth}"
-        inner = enc_expr(
-            t.elem,
-            e if t.kind == "list" else var,
-            where + ("[]" if t.kind == "list" else ""),
-            f"{tag}_{depth}",
-            depth + 1,
-        )
-        if t.kind == "list":
-            return f"[{inner} for {e} in {var}]"
-        return f"(None if {var} is None else {inner})"
-    return var
-
-
-def dec_expr(t: TypeRef, var: str, where: str, depth: int = 0) -> str:
-    """The checked decoder: every array through the cursor, raising errors that name the field."""
-    if t.kind == "array":
-        return f"_view({var}, _{_DT[t.name]}, {ARRAY_DTYPES[t.name][1]}, c, {where!r})"
-    if t.kind == "message":
-        return f"_dec_{t.name}({var}, c)"
-    if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
-        e = f"e{depth}"
-        inner = dec_expr(
-            t.elem, e if t.kind == "list" else var, where + ("[]" if t.kind == "list" else ""), depth + 1
-        )
-        if t.kind == "list":
-            return f"[{inner} for {e} in {var}]"
-        return f"(None if {var} is None else {inner})"
-    return var
-
-
-def fast_dec_expr(t: TypeRef, var: str, tag: str = "", depth: int = 0) -> str:
-    """The fast decoder: no per-array checks of its own.
-
-    Inline bytes become ``np.frombuffer`` views (which refuse a length that is not a whole
-    number of items), empty ones the shared read-only empty array; a side-frame index must
-    be the next one of the counter ``k`` (so the references are exactly 2, 3, ... in order)
-    and ``f[index]`` must exist. Anything else raises, and the caller then takes the
-    checked decoder for the classified error.
-    """
-    if t.kind == "array":
-        dt = f"_{_DT[t.name]}"
-        first, x = _bind(var, f"x{tag}")
-        return (
-            f"((_fb({x}, {dt}) if {x} else _E{dt}) if type({first}) is bytes"
-            f" else _fb(f[{x}], {dt}) if {x} == _next(k) else _bail())"
-        )
-    if t.kind == "message":
-        return f"_fdec_{t.name}({var}, f, k)"
-    if t.kind in ("list", "optional") and t.elem is not None and needs_conv(t.elem):
-        e = f"e{depth}"
-        inner = fast_dec_expr(t.elem, e if t.kind == "list" else var, f"{tag}_{depth}", depth + 1)
-        if t.kind == "list":
-            return f"[{inner} for {e} in {var}]"
-        return f"(None if {var} is None else {inner})"
-    return var
-
-
-# --- hypothesis strategies ----------------------------------------------------------------
-def strategy_expr(p: Protocol, t: TypeRef, mod: str) -> str:
-    if t.kind == "scalar":
-        if t.name == "bool":
-            return "st.booleans()"
-        lo, hi = INT_RANGES[t.name]
-        return f"st.integers({lo}, {hi})"
-    if t.kind == "str":
-        return "_text"
-    if t.kind in ("bytes", "blob"):
-        return "_blob"
-    if t.kind == "array":
-        return f"_array(_a.{_DT[t.name]})"
-    if t.kind == "enum":
-        return f"st.sampled_from({mod}.{t.name})"
-    if t.kind == "message":
-        return f"{mod}_{t.name}()"
-    assert t.elem is not None
-    inner = strategy_expr(p, t.elem, mod)
-    if t.kind == "list":
-        return f"st.lists({inner}, max_size=4)"
-    return f"st.none() | {inner}"
-
-
-# --- views ----------------------------------------------------------------------------------
-@dataclass
-class FieldView:
-    id: int
-    name: str
-    py_type: str
-    py_default: str | None
-    wire_type: str
-    wire_default: str | None
-    enc: str
-    dec: str
-    fdec: str
-    doc: str
-    strategy: str
-    type_spell: str
-    since: str
-    deprecated: str | None
-
-
-@dataclass
-class SlotView:
-    id: int
-    name: str
-    live: bool
-    wire_type: str
-    wire_default: str | None
-    enc: str
-    note: str
-
-
-@dataclass
-class MessageView:
-    name: str
-    doc: str
-    type_id: int | None
-    shared: bool  # same class as the previous version's
-    fields: list[FieldView]
-    slots: list[SlotView]
-    slot_names: tuple[str, ...]
-    has_required: bool
-
-
-@dataclass
-class EnumView:
-    name: str
-    doc: str
-    shared: bool
-    values: list[tuple[str, int]]
-
-
-@dataclass
-class VersionView:
-    version: Version
-    text: str
-    module: str
-    prev_module: str | None
-    doc: str
-    enums: list[EnumView] = field(default_factory=list)
-    messages: list[MessageView] = field(default_factory=list)
-
-    @property
-    def top_level(self) -> list[MessageView]:
-        return sorted((m for m in self.messages if m.type_id is not None), key=lambda m: m.type_id or 0)
-
-
-def _order_messages(p: Protocol, v: Version) -> list[Message]:
-    """Messages at ``v``, nested ones before the messages that use them."""
-    done: list[Message] = []
-    seen: set[str] = set()
-
-    def visit(m: Message) -> None:
-        if m.name in seen:
-            return
-        seen.add(m.name)
-        for f in m.fields:
-            if f.slot_in(v):
-                for t in f.type.walk():
-                    if t.kind == "message":
-                        visit(p.messages[t.name])
-        done.append(m)
-
-    for m in p.messages_at(v):
-        visit(m)
-    return done
-
-
-def version_view(p: Protocol, idx: int) -> VersionView:
-    info = p.versions[idx]
-    v = info.version
-    prev = p.versions[idx - 1].version if idx > 0 else None
-    mod = mod_name(v)
-    view = VersionView(v, format_version(v), mod, mod_name(prev) if prev else None, info.doc)
-    for e in p.enums_at(v):
-        shared = prev is not None and e.since <= prev and enum_sig(e, prev) == enum_sig(e, v)
-        view.enums.append(
-            EnumView(e.name, e.doc, shared, [(const(x.name), x.number) for x in e.values_at(v)])
-        )
-    for m in _order_messages(p, v):
-        shared = prev is not None and m.since <= prev and message_sig(p, m, prev) == message_sig(p, m, v)
-        fields = [
-            FieldView(
-                id=f.id,
-                name=f.name,
-                py_type=py_type(f.type),
-                py_default=py_default(p, f),
-                wire_type=wire_type(f.type),
-                wire_default=wire_default(p, f),
-                enc=enc_expr(f.type, f"m.{f.name}", f"{m.name}.{f.name}", str(f.id)),
-                dec=dec_expr(f.type, f"w.{f.name}", f.name),
-                fdec=fast_dec_expr(f.type, f"w.{f.name}", str(f.id)),
-                doc=f.doc,
-                strategy=strategy_expr(p, f.type, mod),
-                type_spell=f.type.spell(),
-                since=format_version(f.since),
-                deprecated=f.deprecated,
-            )
-            for f in m.fields_at(v)
-        ]
-        by_name = {fv.name: fv for fv in fields}
-        slots = []
-        for s in m.slots_at(v):
-            if s.live and s.field is not None:
-                fv = by_name[s.field.name]
-                slots.append(SlotView(s.id, fv.name, True, fv.wire_type, fv.wire_default, fv.enc, ""))
-            else:
-                name = (
-                    s.field.name if s.field is not None else next(r.name for r in m.reserved if r.id == s.id)
-                )
-                removed = s.field.removed if s.field is not None else None
-                note = f"removed in {format_version(removed)}" if removed else "reserved"
-                slots.append(
-                    SlotView(
-                        s.id,
-                        f"reserved_{s.id}",
-                        False,
-                        "msgspec.Raw",
-                        "msgspec.field(default_factory=msgspec.Raw)",
-                        wire_literal(p, s.field),
-                        f"{name}: {note}; older readers get the old default",
-                    )
-                )
-        view.messages.append(
-            MessageView(
-                name=m.name,
-                doc=m.doc,
-                type_id=m.type_id,
-                shared=shared,
-                fields=fields,
-                slots=slots,
-                slot_names=tuple(s.name for s in slots),
-                has_required=any(f.py_default is None for f in fields),
-            )
-        )
-    return view
-
-
-# --- conversions between consecutive versions ----------------------------------------------
-@dataclass
-class StepView:
-    """One generated conversion function between adjacent versions."""
-
-    func: str
-    name: str
-    direction: str  # "up" or "down"
-    src_mod: str
-    dst_mod: str
-    target: str  # target version text
-    target_tuple: Version
-    args: list[tuple[str, str]]
-    hook: str | None
-
-
-def conv_expr(
-    p: Protocol, t: TypeRef, var: str, changed: set[str], direction: str, dst: str, where: str, depth: int = 0
-) -> str:
-    if t.kind == "message" and t.name in changed:
-        return f"_{direction}_{dst}_{t.name}({var})"
-    if t.kind == "enum" and t.name in changed:
-        if direction == "up":
-            return f"_{dst}.{t.name}(int({var}))"
-        return f"_enum_down(_{dst}.{t.name}, {var}, {where!r})"
-    if t.kind in ("list", "optional") and t.elem is not None:
-        if not any(x.name in changed for x in t.elem.walk() if x.kind in ("message", "enum")):
-            return var
-        e = f"e{depth}"
-        inner = conv_expr(
-            p, t.elem, e if t.kind == "list" else var, changed, direction, dst, where, depth + 1
-        )
-        if t.kind == "list":
-            return f"[{inner} for {e} in {var}]"
-        return f"(None if {var} is None else {inner})"
-    return var
-
-
-def step_views(p: Protocol) -> list[StepView]:
-    out: list[StepView] = []
-    for i in range(1, len(p.versions)):
-        a, b = p.versions[i - 1].version, p.versions[i].version
-        migrate = set(p.versions[i].migrate)
-        changed_enums = {e.name for e in p.enums_at(a) if enum_sig(e, a) != enum_sig(e, b)}
-        changed_msgs = {m.name for m in p.messages_at(a) if message_sig(p, m, a) != message_sig(p, m, b)}
-        changed = changed_enums | changed_msgs
-        for m in p.messages_at(a):
-            if m.name not in changed_msgs:
-                continue
-            common = [f for f in m.fields if f.present_in(a) and f.present_in(b)]
-            for direction, src, dst, tgt in (("up", a, b, b), ("down", b, a, a)):
-                args = [
-                    (
-                        f.name,
-                        conv_expr(
-                            p, f.type, f"m.{f.name}", changed, direction, mod_name(dst), f"{m.name}.{f.name}"
-                        ),
-                    )
-                    for f in common
-                ]
-                hook = None
-                if m.name in migrate:
-                    hook = (
-                        f"_mig.{'upgrade' if direction == 'up' else 'downgrade'}_{m.name}_{tgt[0]}_{tgt[1]}"
-                    )
-                out.append(
-                    StepView(
-                        func=f"_{direction}_{mod_name(dst)}_{m.name}",
-                        name=m.name,
-                        direction=direction,
-                        src_mod=mod_name(src),
-                        dst_mod=mod_name(dst),
-                        target=format_version(tgt),
-                        target_tuple=tgt,
-                        args=args,
-                        hook=hook,
-                    )
-                )
+def _slots(p: Protocol, m: Message, v: Version, major: int) -> list[SlotView]:
+    out = []
+    reserved = {r.id: r.name for r in m.reserved}
+    for s in m.slots_at(v):
+        if s.live and s.field is not None:
+            out.append(SlotView(s.id, _field_view(p, s.field, major), True, s.field.name, ""))
+            continue
+        name = s.field.name if s.field is not None else reserved.get(s.id, f"#{s.id}")
+        removed = s.field.removed if s.field is not None else None
+        note = f"{name}: removed in {format_version(removed)}" if removed else f"{name}: reserved"
+        fv = _field_view(p, s.field, major) if s.field is not None else None
+        out.append(SlotView(s.id, fv, False, f"reserved_{s.id}", note))
     return out
 
 
-# --- rendering ------------------------------------------------------------------------------
-def docstring(text: str, indent: int = 4) -> str:
-    """Text safe inside a triple-quoted Python string, wrapped to fit the line length."""
-    safe = text.replace("\\", "\\\\").replace('"', '\\"')
-    lines = textwrap.wrap(safe, width=100 - indent) or [""]
-    if len(lines) == 1 and len(lines[0]) + indent + 6 <= 110:
-        return lines[0]
-    pad = " " * indent
-    return "\n".join([lines[0], *(pad + x for x in lines[1:])]) + "\n" + pad
+def _enum_gains(e: Enum, major: int, minor: int) -> bool:
+    return any(x.since == (major, minor) for x in e.values)
 
 
-def all_sorted(names: list[str]) -> list[str]:
-    """Names in the order ruff's isort-style ``__all__`` sorting expects."""
-    return sorted(set(names), key=lambda n: (0 if n.isupper() else 1 if n[:1].isupper() else 2, n))
+class _Builder:
+    def __init__(self, p: Protocol, major: int) -> None:
+        self.p = p
+        self.major = major
+        self.versions = [v for v in p.version_list if v[0] == major]
+        self.newest = self.versions[-1]
+        self.migrate = {info.version: set(info.migrate) for info in p.versions}
+        self.views: dict[str, MessageView] = {}
+
+    def messages(self) -> list[Message]:
+        """Messages of the major, nested ones before the messages that use them."""
+        done: list[Message] = []
+        seen: set[str] = set()
+
+        def visit(m: Message) -> None:
+            if m.name in seen:
+                return
+            seen.add(m.name)
+            for f in m.fields:
+                if f.slot_in(self.newest):
+                    for t in f.type.walk():
+                        if t.kind == "message":
+                            visit(self.p.messages[t.name])
+            done.append(m)
+
+        for m in self.p.messages_at(self.newest):
+            visit(m)
+        return done
+
+    def message(self, m: Message) -> MessageView:
+        p, major, newest = self.p, self.major, self.newest
+        fields = [_field_view(p, f, major) for f in m.fields_at(newest)]
+        by_name = {f.name: f for f in fields}
+        lengths = [len(m.slots_at(v)) if m.since <= v else 0 for v in self.versions]
+        steps = []
+        legacy_minors = {v[1] for v in self.versions if self._legacy_fields(m, v)}
+        for v in self.versions[1:]:
+            minor = v[1]
+            hook = None
+            if m.name in self.migrate.get(v, set()):
+                hook = f"downgrade_{m.name}_{major}_{minor - 1}"
+            legacy_hook = (minor - 1) in legacy_minors and hook is not None
+            added = [f for f in fields if f.since == minor and m.since < v]
+            reset = [f for f in added if hook is not None or f.downgrade == "drop"]
+            refused = [f for f in added if f not in reset]
+            enums = [
+                (f, e)
+                for f in fields
+                for e in f.type.enums
+                if f.since < minor and _enum_gains(p.enums[e], major, minor)
+            ]
+            if hook or refused or reset or enums:
+                steps.append(StepView(minor, hook, legacy_hook, refused, reset, enums))
+        nested_at = []
+        nested_trim = []
+        for s in _slots(p, m, newest, major):
+            if not s.live or s.field is None:
+                continue
+            changes = [self.views[n].last_change for n in s.field.type.messages if self.views[n].has_at]
+            if changes:
+                nested_at.append((by_name[s.name], max(changes)))
+            trims = [n for n in s.field.type.messages if self.views[n].needs_trim]
+            if trims:
+                nested_trim.append((s, trims))
+        view = MessageView(
+            name=m.name,
+            doc=m.doc,
+            type_id=m.type_id,
+            since=_minor_in(m.since, major),
+            fields=fields,
+            slots=_slots(p, m, newest, major),
+            lengths=lengths,
+            steps=sorted(steps, key=lambda s: -s.minor),
+            nested_at=nested_at,
+            nested_trim=nested_trim,
+        )
+        for v in self.versions:
+            old = self._legacy_fields(m, v)
+            if not old:
+                continue
+            first_removed = min(f.removed for f in old if f.removed is not None)
+            if m.name not in self.migrate.get(first_removed, set()):
+                # no hook converts the removed fields: the newest body reads this minor too
+                # (their positions are placeholders) and writes their defaults there
+                continue
+            view.legacy.append(
+                LegacyView(
+                    minor=v[1],
+                    slots=_slots(p, m, v, major),
+                    old=[_field_view(p, f, major) for f in old],
+                    hook_minor=first_removed[1],
+                )
+            )
+        self.views[m.name] = view
+        return view
+
+    def _legacy_fields(self, m: Message, v: Version) -> list[Field]:
+        """Fields live at ``v`` that the major's newest minor no longer has."""
+        if m.since > v:
+            return []
+        return [f for f in m.fields if f.present_in(v) and not f.present_in(self.newest)]
+
+    def build(self) -> MajorView:
+        p, major = self.p, self.major
+        msgs = [self.message(m) for m in self.messages()]
+        enums = [
+            EnumView(
+                e.name,
+                e.doc,
+                [(const(x.name), x.number, _minor_in(x.since, major)) for x in e.values_at(self.newest)],
+            )
+            for e in p.enums_at(self.newest)
+        ]
+        info = {i.version: i.doc for i in p.versions}
+        return MajorView(
+            major=major,
+            minors=[v[1] for v in self.versions],
+            module=major_module(major),
+            versions=[(v, info[v]) for v in self.versions],
+            enums=enums,
+            messages=msgs,
+            migrations=p.migrations,
+        )
 
 
-def _env() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
-    env.filters["pydoc"] = docstring
-    env.filters["all_sorted"] = all_sorted
-    return env
+def major_views(p: Protocol) -> list[MajorView]:
+    return [_Builder(p, major).build() for major in sorted({v[0] for v in p.version_list})]
 
 
-def banner(p: Protocol, source: str, comment: str = "#") -> str:
-    return (
-        f"{comment} Generated by `pdwire codegen` from {source}. DO NOT EDIT.\n"
-        f"{comment} @generated - change the schema (or codegen/templates) and rerun `pdwire codegen`."
-    )
+def supported(p: Protocol) -> list[Version]:
+    best: dict[int, int] = {}
+    for v in p.version_list:
+        best[v[0]] = max(v[1], best.get(v[0], -1))
+    return sorted(best.items())
 
 
 def show_default(f: Field) -> str:
@@ -526,51 +474,45 @@ def show_default(f: Field) -> str:
     return f"`{d}`"
 
 
-def supported(p: Protocol) -> list[Version]:
-    best: dict[int, int] = {}
-    for v in p.version_list:
-        best[v[0]] = max(v[1], best.get(v[0], -1))
-    return sorted(best.items())
+def _names(items: Iterable[Any]) -> list[str]:
+    return [x.name for x in items]
+
+
+# the protocol whose generated package is `pdwire.wire` itself; others get a sub-package
+ROOT_PROTOCOL = "pdwire"
+
+
+def package_of(p: Protocol) -> str:
+    return "pdwire.wire" if p.name == ROOT_PROTOCOL else f"pdwire.wire.{p.name}"
 
 
 def render_protocol(p: Protocol, source: str) -> dict[str, str]:
     """Every generated file of one protocol (envelope layout): relative path -> text."""
-    env = _env()
-    versions = [version_view(p, i) for i in range(len(p.versions))]
+    env = environment()
+    majors = major_views(p)
+    newest = majors[-1]
     hello = p.messages.get("Hello")
-    newest_names = [e.name for e in versions[-1].enums] + [m.name for m in versions[-1].messages]
-    ctx = {
-        "newest_names": sorted(newest_names),
+    ctx: dict[str, Any] = {
         "p": p,
-        "banner": banner(p, source),
-        "md_banner": banner(p, source, "<!--").replace("\n", " -->\n") + " -->",
-        "versions": versions,
-        "newest": versions[-1],
-        "steps": step_views(p),
+        "package": package_of(p),
+        "banner": banner(source),
+        "md_banner": banner(source, "<!--").replace("\n", " -->\n") + " -->",
+        "majors": majors,
+        "newest": newest,
+        "newest_names": sorted(_names(newest.enums) + _names(newest.messages)),
         "supported": supported(p),
         "hello": hello,
         "frozen": [hello.type_id] if hello is not None and hello.type_id is not None else [],
         "fmt": format_version,
         "show_default": show_default,
-        "source": source,
+        "versions": p.version_list,
     }
-    return render_files(env, ctx, versions, template_prefix="")
-
-
-def render_files(
-    env: jinja2.Environment, ctx: dict[str, Any], versions: Sequence[Any], template_prefix: str
-) -> dict[str, str]:
-    """The files every layout generates from its templates (``<prefix>version.py.j2`` once per
-    version, then the codec, strategies, package init and wire reference): path -> text."""
     files: dict[str, str] = {}
-    for vv in versions:
-        files[f"{vv.module}.py"] = env.get_template(f"{template_prefix}version.py.j2").render(ctx, v=vv)
-    for name, template in (
-        ("codec.py", "codec.py.j2"),
-        ("strategies.py", "strategies.py.j2"),
-        ("__init__.py", "init.py.j2"),
-        ("REFERENCE.md", "reference.md.j2"),
-    ):
-        files[name] = env.get_template(template_prefix + template).render(ctx)
+    for mv in majors:
+        files[f"{mv.module}.py"] = render_formatted(env, "envelope/major.py.j2", f"{mv.module}.py", ctx, m=mv)
+    for name in ("codec.py", "strategies.py", "__init__.py"):
+        files[name] = render_formatted(env, f"envelope/{name}.j2", name, ctx)
+    files["features.py"] = render_formatted(env, "envelope/features.py.j2", "features.py", ctx)
+    files["REFERENCE.md"] = env.get_template("envelope/reference.md.j2").render(ctx)
     files["py.typed"] = ""
     return files

@@ -23,6 +23,9 @@ class FieldDoc(msgspec.Struct, forbid_unknown_fields=True):
     removed: str | None = None
     deprecated: bool | str = False
     doc: str = ""
+    # what a writer does with a non-default value when sending to a minor older than `since`:
+    # "refuse" (DowngradeError, the default) or "drop" (older peers do without it)
+    downgrade: str = "refuse"
     # encoding of this field in a positional layout (unused by the envelope layout)
     encoding: str | None = None
     # positional layouts: the frame index (a field's id is its identity, its frame its position,
@@ -41,7 +44,7 @@ class ReservedDoc(msgspec.Struct, forbid_unknown_fields=True):
 class MessageDoc(msgspec.Struct, forbid_unknown_fields=True):
     fields: list[FieldDoc]
     type_id: int | None = None
-    since: str = "1.0"
+    since: str | None = None  # default: the protocol's first version
     doc: str = ""
     reserved: list[ReservedDoc] = []
     # positional layouts (see schema/README.md, "Layouts"): who speaks the message, how many
@@ -57,7 +60,7 @@ class MessageDoc(msgspec.Struct, forbid_unknown_fields=True):
 class EnumDoc(msgspec.Struct, forbid_unknown_fields=True):
     values: dict[str, int]
     doc: str = ""
-    since: str = "1.0"
+    since: str | None = None  # default: the protocol's first version
     # value name -> version it appeared in, for values added after the enum itself
     value_since: dict[str, str] = {}
     reserved: list[int] = []
@@ -68,6 +71,8 @@ class VersionDoc(msgspec.Struct, forbid_unknown_fields=True):
     doc: str = ""
     # messages whose step into this version needs the hand-written migration hooks
     migrate: list[str] = []
+    # promises without bytes made from this version on: name -> what peers may rely on
+    promises: dict[str, str] = {}
 
 
 class ReservedTypeDoc(msgspec.Struct, forbid_unknown_fields=True):

@@ -2,9 +2,10 @@
 # @generated - change the schema (or codegen/templates) and rerun `pdwire codegen`.
 """Hypothesis strategies for every message of every version (used by the tests).
 
-``STRATEGIES[version][name]()`` builds a strategy for that version's model of ``name``.
-Packed arrays are drawn as raw bytes (every bit pattern is a valid element), sometimes
-long enough to travel as a side frame.
+``STRATEGIES[version][name]()`` draws a message of ``version``: the model of its major with the
+fields and enum values that minor has (the others at their defaults). Packed arrays are drawn
+as raw bytes (every bit pattern is a valid element), sometimes long enough to travel as a
+side frame.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from pdwire.wirecore import arrays as _a
 
-from . import v1_0, v1_1, v1_2, v1_3
+from . import v1
 
 _text = st.text(max_size=12)
 _blob = st.binary(max_size=24)
@@ -50,661 +51,276 @@ def _array(dtype: np.dtype[Any]) -> st.SearchStrategy[npt.NDArray[Any]]:
     return st.one_of(small, small, small, large)
 
 
-def v1_0_Version() -> st.SearchStrategy[v1_0.Version]:
-    return st.builds(
-        v1_0.Version,
-        major=st.integers(0, 65535),
-        minor=st.integers(0, 65535),
-    )
-
-
-def v1_0_ParallelGeometry() -> st.SearchStrategy[v1_0.ParallelGeometry]:
-    return st.builds(
-        v1_0.ParallelGeometry,
-        tp_size=st.integers(0, 4294967295),
-        tp_rank=st.integers(0, 4294967295),
-        pp_size=st.integers(0, 4294967295),
-        pp_rank=st.integers(0, 4294967295),
-        cp_size=st.integers(0, 4294967295),
-        cp_rank=st.integers(0, 4294967295),
-        dp_size=st.integers(0, 4294967295),
-        dp_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_0_ModelFingerprint() -> st.SearchStrategy[v1_0.ModelFingerprint]:
-    return st.builds(
-        v1_0.ModelFingerprint,
-        model_name=_text,
-        revision=_text,
-        dtype=_text,
-        num_layers=st.integers(0, 4294967295),
-        num_attention_layers=st.integers(0, 4294967295),
-        num_state_layers=st.integers(0, 4294967295),
-    )
-
-
-def v1_0_Hello() -> st.SearchStrategy[v1_0.Hello]:
-    return st.builds(
-        v1_0.Hello,
-        protocol=_text,
-        versions=st.lists(v1_0_Version(), max_size=4),
-        role=st.sampled_from(v1_0.Role),
-        engine_id=_text,
-        geometry=v1_0_ParallelGeometry(),
-        model=v1_0_ModelFingerprint(),
-        capabilities=st.lists(_text, max_size=4),
-    )
-
-
-def v1_0_RegisterInfo() -> st.SearchStrategy[v1_0.RegisterInfo]:
-    return st.builds(
-        v1_0.RegisterInfo,
-        endpoint=_text,
-        engine_id=_text,
-        agent_name=_text,
-        agent_metadata=_blob,
-        geometry=v1_0_ParallelGeometry(),
-        first_layer=st.integers(0, 4294967295),
-        num_layers=st.integers(0, 4294967295),
-        k_base_addrs=_array(_a.U64),
-        v_base_addrs=_array(_a.U64),
-        bytes_per_page=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        num_pages=st.integers(0, 18446744073709551615),
-        page_size=st.integers(0, 4294967295),
-        kv_layout=st.sampled_from(v1_0.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-        is_mla=st.booleans(),
-        aux_base_addrs=_array(_a.U64),
-        aux_lens=_array(_a.U64),
-        aux_item_lens=_array(_a.U64),
-        kv_mem_descs=st.lists(_blob, max_size=4),
-        flat_state_type=st.sampled_from(v1_0.StateType),
-        flat_state_base_addrs=_array(_a.U64),
-        flat_state_region_lens=_array(_a.U64),
-        flat_state_bytes_per_slot=_array(_a.U64),
-        flat_state_shard_axis_sizes=_array(_a.U64),
-    )
-
-
-def v1_0_TransferRequest() -> st.SearchStrategy[v1_0.TransferRequest]:
-    return st.builds(
-        v1_0.TransferRequest,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        dst_kv_indices=_array(_a.I32),
-        dst_aux_index=st.integers(-2147483648, 2147483647),
-        flat_state_indices=_array(_a.I32),
-        required_dst_info_num=st.integers(0, 4294967295),
-        decode_prefix_len=st.integers(0, 18446744073709551615),
-        is_dummy=st.booleans(),
-    )
-
-
-def v1_0_TransferStatus() -> st.SearchStrategy[v1_0.TransferStatus]:
-    return st.builds(
-        v1_0.TransferStatus,
-        room=st.integers(0, 18446744073709551615),
-        status=st.sampled_from(v1_0.Status),
-        sender_rank=st.integers(0, 4294967295),
-        reason=_text,
-    )
-
-
-def v1_0_Notification() -> st.SearchStrategy[v1_0.Notification]:
-    return st.builds(
-        v1_0.Notification,
-        room=st.integers(0, 18446744073709551615),
-        kind=st.sampled_from(v1_0.NotificationKind),
-        chunk_id=st.integers(0, 4294967295),
-        is_last=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        component=st.integers(0, 4294967295),
-        expected_consumers=st.integers(0, 4294967295),
-    )
-
-
-def v1_0_Abort() -> st.SearchStrategy[v1_0.Abort]:
-    return st.builds(
-        v1_0.Abort,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        reason=_text,
-    )
-
-
-def v1_0_AbortAck() -> st.SearchStrategy[v1_0.AbortAck]:
-    return st.builds(
-        v1_0.AbortAck,
-        room=st.integers(0, 18446744073709551615),
-        sender_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_1_Version() -> st.SearchStrategy[v1_1.Version]:
-    return st.builds(
-        v1_1.Version,
-        major=st.integers(0, 65535),
-        minor=st.integers(0, 65535),
-    )
-
-
-def v1_1_ParallelGeometry() -> st.SearchStrategy[v1_1.ParallelGeometry]:
-    return st.builds(
-        v1_1.ParallelGeometry,
-        tp_size=st.integers(0, 4294967295),
-        tp_rank=st.integers(0, 4294967295),
-        pp_size=st.integers(0, 4294967295),
-        pp_rank=st.integers(0, 4294967295),
-        cp_size=st.integers(0, 4294967295),
-        cp_rank=st.integers(0, 4294967295),
-        dp_size=st.integers(0, 4294967295),
-        dp_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_1_ModelFingerprint() -> st.SearchStrategy[v1_1.ModelFingerprint]:
-    return st.builds(
-        v1_1.ModelFingerprint,
-        model_name=_text,
-        revision=_text,
-        dtype=_text,
-        num_layers=st.integers(0, 4294967295),
-        num_attention_layers=st.integers(0, 4294967295),
-        num_state_layers=st.integers(0, 4294967295),
-    )
-
-
-def v1_1_Hello() -> st.SearchStrategy[v1_1.Hello]:
-    return st.builds(
-        v1_1.Hello,
-        protocol=_text,
-        versions=st.lists(v1_1_Version(), max_size=4),
-        role=st.sampled_from(v1_1.Role),
-        engine_id=_text,
-        geometry=v1_1_ParallelGeometry(),
-        model=v1_1_ModelFingerprint(),
-        capabilities=st.lists(_text, max_size=4),
-    )
-
-
-def v1_1_StateComponent() -> st.SearchStrategy[v1_1.StateComponent]:
-    return st.builds(
-        v1_1.StateComponent,
-        type=st.sampled_from(v1_1.StateType),
-        base_addrs=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        bytes_per_slot=_array(_a.U64),
-        shard_axis_sizes=_array(_a.U64),
-        sub_blocks=st.lists(_array(_a.U64), max_size=4),
-        mem_descs=st.lists(_blob, max_size=4),
-    )
-
-
-def v1_1_RegisterInfo() -> st.SearchStrategy[v1_1.RegisterInfo]:
-    return st.builds(
-        v1_1.RegisterInfo,
-        endpoint=_text,
-        engine_id=_text,
-        agent_name=_text,
-        agent_metadata=_blob,
-        geometry=v1_1_ParallelGeometry(),
-        first_layer=st.integers(0, 4294967295),
-        num_layers=st.integers(0, 4294967295),
-        k_base_addrs=_array(_a.U64),
-        v_base_addrs=_array(_a.U64),
-        bytes_per_page=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        num_pages=st.integers(0, 18446744073709551615),
-        page_size=st.integers(0, 4294967295),
-        kv_layout=st.sampled_from(v1_1.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-        is_mla=st.booleans(),
-        aux_base_addrs=_array(_a.U64),
-        aux_lens=_array(_a.U64),
-        aux_item_lens=_array(_a.U64),
-        kv_mem_descs=st.lists(_blob, max_size=4),
-        state_components=st.lists(v1_1_StateComponent(), max_size=4),
-    )
-
-
-def v1_1_TransferRequest() -> st.SearchStrategy[v1_1.TransferRequest]:
-    return st.builds(
-        v1_1.TransferRequest,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        dst_kv_indices=_array(_a.I32),
-        dst_aux_index=st.integers(-2147483648, 2147483647),
-        required_dst_info_num=st.integers(0, 4294967295),
-        decode_prefix_len=st.integers(0, 18446744073709551615),
-        is_dummy=st.booleans(),
-        state_indices=st.lists(st.none() | _array(_a.I32), max_size=4),
-    )
-
-
-def v1_1_TransferStatus() -> st.SearchStrategy[v1_1.TransferStatus]:
-    return st.builds(
-        v1_1.TransferStatus,
-        room=st.integers(0, 18446744073709551615),
-        status=st.sampled_from(v1_1.Status),
-        sender_rank=st.integers(0, 4294967295),
-        reason=_text,
-    )
-
-
-def v1_1_Notification() -> st.SearchStrategy[v1_1.Notification]:
-    return st.builds(
-        v1_1.Notification,
-        room=st.integers(0, 18446744073709551615),
-        kind=st.sampled_from(v1_1.NotificationKind),
-        chunk_id=st.integers(0, 4294967295),
-        is_last=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        component=st.integers(0, 4294967295),
-        expected_consumers=st.integers(0, 4294967295),
-    )
-
-
-def v1_1_Abort() -> st.SearchStrategy[v1_1.Abort]:
-    return st.builds(
-        v1_1.Abort,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        reason=_text,
-    )
-
-
-def v1_1_AbortAck() -> st.SearchStrategy[v1_1.AbortAck]:
-    return st.builds(
-        v1_1.AbortAck,
-        room=st.integers(0, 18446744073709551615),
-        sender_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_Version() -> st.SearchStrategy[v1_2.Version]:
-    return st.builds(
-        v1_2.Version,
-        major=st.integers(0, 65535),
-        minor=st.integers(0, 65535),
-    )
-
-
-def v1_2_ParallelGeometry() -> st.SearchStrategy[v1_2.ParallelGeometry]:
-    return st.builds(
-        v1_2.ParallelGeometry,
-        tp_size=st.integers(0, 4294967295),
-        tp_rank=st.integers(0, 4294967295),
-        pp_size=st.integers(0, 4294967295),
-        pp_rank=st.integers(0, 4294967295),
-        cp_size=st.integers(0, 4294967295),
-        cp_rank=st.integers(0, 4294967295),
-        dp_size=st.integers(0, 4294967295),
-        dp_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_ModelFingerprint() -> st.SearchStrategy[v1_2.ModelFingerprint]:
-    return st.builds(
-        v1_2.ModelFingerprint,
-        model_name=_text,
-        revision=_text,
-        dtype=_text,
-        num_layers=st.integers(0, 4294967295),
-        num_attention_layers=st.integers(0, 4294967295),
-        num_state_layers=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_Hello() -> st.SearchStrategy[v1_2.Hello]:
-    return st.builds(
-        v1_2.Hello,
-        protocol=_text,
-        versions=st.lists(v1_2_Version(), max_size=4),
-        role=st.sampled_from(v1_2.Role),
-        engine_id=_text,
-        geometry=v1_2_ParallelGeometry(),
-        model=v1_2_ModelFingerprint(),
-        capabilities=st.lists(_text, max_size=4),
-    )
-
-
-def v1_2_HeadSharding() -> st.SearchStrategy[v1_2.HeadSharding]:
-    return st.builds(
-        v1_2.HeadSharding,
-        page_size=st.integers(0, 4294967295),
-        layout=st.sampled_from(v1_2.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_StateComponent() -> st.SearchStrategy[v1_2.StateComponent]:
-    return st.builds(
-        v1_2.StateComponent,
-        type=st.sampled_from(v1_2.StateType),
-        base_addrs=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        bytes_per_slot=_array(_a.U64),
-        shard_axis_sizes=_array(_a.U64),
-        sub_blocks=st.lists(_array(_a.U64), max_size=4),
-        mem_descs=st.lists(_blob, max_size=4),
-        tensor_names=st.lists(_text, max_size=4),
-        indexing=st.sampled_from(v1_2.StateIndexing),
-        sharding=st.sampled_from(v1_2.StateSharding),
-        heads=st.none() | v1_2_HeadSharding(),
-    )
-
-
-def v1_2_RegisterInfo() -> st.SearchStrategy[v1_2.RegisterInfo]:
-    return st.builds(
-        v1_2.RegisterInfo,
-        endpoint=_text,
-        engine_id=_text,
-        agent_name=_text,
-        agent_metadata=_blob,
-        geometry=v1_2_ParallelGeometry(),
-        first_layer=st.integers(0, 4294967295),
-        num_layers=st.integers(0, 4294967295),
-        k_base_addrs=_array(_a.U64),
-        v_base_addrs=_array(_a.U64),
-        bytes_per_page=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        num_pages=st.integers(0, 18446744073709551615),
-        page_size=st.integers(0, 4294967295),
-        kv_layout=st.sampled_from(v1_2.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-        is_mla=st.booleans(),
-        aux_base_addrs=_array(_a.U64),
-        aux_lens=_array(_a.U64),
-        aux_item_lens=_array(_a.U64),
-        kv_mem_descs=st.lists(_blob, max_size=4),
-        state_components=st.lists(v1_2_StateComponent(), max_size=4),
-        aux_mem_descs=st.lists(_blob, max_size=4),
-    )
-
-
-def v1_2_TransferRequest() -> st.SearchStrategy[v1_2.TransferRequest]:
-    return st.builds(
-        v1_2.TransferRequest,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        dst_kv_indices=_array(_a.I32),
-        dst_aux_index=st.integers(-2147483648, 2147483647),
-        required_dst_info_num=st.integers(0, 4294967295),
-        decode_prefix_len=st.integers(0, 18446744073709551615),
-        is_dummy=st.booleans(),
-        state_indices=st.lists(st.none() | _array(_a.I32), max_size=4),
-    )
-
-
-def v1_2_TransferStatus() -> st.SearchStrategy[v1_2.TransferStatus]:
-    return st.builds(
-        v1_2.TransferStatus,
-        room=st.integers(0, 18446744073709551615),
-        status=st.sampled_from(v1_2.Status),
-        sender_rank=st.integers(0, 4294967295),
-        reason=_text,
-        failure_kind=st.sampled_from(v1_2.FailureKind),
-    )
-
-
-def v1_2_Notification() -> st.SearchStrategy[v1_2.Notification]:
-    return st.builds(
-        v1_2.Notification,
-        room=st.integers(0, 18446744073709551615),
-        kind=st.sampled_from(v1_2.NotificationKind),
-        chunk_id=st.integers(0, 4294967295),
-        is_last=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        component=st.integers(0, 4294967295),
-        expected_consumers=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_Abort() -> st.SearchStrategy[v1_2.Abort]:
-    return st.builds(
-        v1_2.Abort,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        reason=_text,
-    )
-
-
-def v1_2_AbortAck() -> st.SearchStrategy[v1_2.AbortAck]:
-    return st.builds(
-        v1_2.AbortAck,
-        room=st.integers(0, 18446744073709551615),
-        sender_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_2_RegisterAck() -> st.SearchStrategy[v1_2.RegisterAck]:
-    return st.builds(
-        v1_2.RegisterAck,
-        accepted=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        failure_kind=st.sampled_from(v1_2.FailureKind),
-        reason=_text,
-    )
-
-
-def v1_3_Version() -> st.SearchStrategy[v1_3.Version]:
-    return st.builds(
-        v1_3.Version,
-        major=st.integers(0, 65535),
-        minor=st.integers(0, 65535),
-    )
-
-
-def v1_3_ParallelGeometry() -> st.SearchStrategy[v1_3.ParallelGeometry]:
-    return st.builds(
-        v1_3.ParallelGeometry,
-        tp_size=st.integers(0, 4294967295),
-        tp_rank=st.integers(0, 4294967295),
-        pp_size=st.integers(0, 4294967295),
-        pp_rank=st.integers(0, 4294967295),
-        cp_size=st.integers(0, 4294967295),
-        cp_rank=st.integers(0, 4294967295),
-        dp_size=st.integers(0, 4294967295),
-        dp_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_3_ModelFingerprint() -> st.SearchStrategy[v1_3.ModelFingerprint]:
-    return st.builds(
-        v1_3.ModelFingerprint,
-        model_name=_text,
-        revision=_text,
-        dtype=_text,
-        num_layers=st.integers(0, 4294967295),
-        num_attention_layers=st.integers(0, 4294967295),
-        num_state_layers=st.integers(0, 4294967295),
-    )
-
-
-def v1_3_Hello() -> st.SearchStrategy[v1_3.Hello]:
-    return st.builds(
-        v1_3.Hello,
-        protocol=_text,
-        versions=st.lists(v1_3_Version(), max_size=4),
-        role=st.sampled_from(v1_3.Role),
-        engine_id=_text,
-        geometry=v1_3_ParallelGeometry(),
-        model=v1_3_ModelFingerprint(),
-        capabilities=st.lists(_text, max_size=4),
-    )
-
-
-def v1_3_HeadSharding() -> st.SearchStrategy[v1_3.HeadSharding]:
-    return st.builds(
-        v1_3.HeadSharding,
-        page_size=st.integers(0, 4294967295),
-        layout=st.sampled_from(v1_3.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-    )
-
-
-def v1_3_StateComponent() -> st.SearchStrategy[v1_3.StateComponent]:
-    return st.builds(
-        v1_3.StateComponent,
-        type=st.sampled_from(v1_3.StateType),
-        base_addrs=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        bytes_per_slot=_array(_a.U64),
-        shard_axis_sizes=_array(_a.U64),
-        sub_blocks=st.lists(_array(_a.U64), max_size=4),
-        mem_descs=st.lists(_blob, max_size=4),
-        tensor_names=st.lists(_text, max_size=4),
-        indexing=st.sampled_from(v1_3.StateIndexing),
-        sharding=st.sampled_from(v1_3.StateSharding),
-        heads=st.none() | v1_3_HeadSharding(),
-        layer_ids=_array(_a.U32),
-    )
-
-
-def v1_3_RegisterInfo() -> st.SearchStrategy[v1_3.RegisterInfo]:
-    return st.builds(
-        v1_3.RegisterInfo,
-        endpoint=_text,
-        engine_id=_text,
-        agent_name=_text,
-        agent_metadata=_blob,
-        geometry=v1_3_ParallelGeometry(),
-        first_layer=st.integers(0, 4294967295),
-        num_layers=st.integers(0, 4294967295),
-        k_base_addrs=_array(_a.U64),
-        v_base_addrs=_array(_a.U64),
-        bytes_per_page=_array(_a.U64),
-        region_lens=_array(_a.U64),
-        num_pages=st.integers(0, 18446744073709551615),
-        page_size=st.integers(0, 4294967295),
-        kv_layout=st.sampled_from(v1_3.KvLayout),
-        kv_heads_per_rank=st.integers(0, 4294967295),
-        kv_heads_total=st.integers(0, 4294967295),
-        bytes_per_head=st.integers(0, 4294967295),
-        is_mla=st.booleans(),
-        aux_base_addrs=_array(_a.U64),
-        aux_lens=_array(_a.U64),
-        aux_item_lens=_array(_a.U64),
-        kv_mem_descs=st.lists(_blob, max_size=4),
-        state_components=st.lists(v1_3_StateComponent(), max_size=4),
-        aux_mem_descs=st.lists(_blob, max_size=4),
-    )
-
-
-def v1_3_TransferRequest() -> st.SearchStrategy[v1_3.TransferRequest]:
-    return st.builds(
-        v1_3.TransferRequest,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        dst_kv_indices=_array(_a.I32),
-        dst_aux_index=st.integers(-2147483648, 2147483647),
-        required_dst_info_num=st.integers(0, 4294967295),
-        decode_prefix_len=st.integers(0, 18446744073709551615),
-        is_dummy=st.booleans(),
-        state_indices=st.lists(st.none() | _array(_a.I32), max_size=4),
-    )
-
-
-def v1_3_TransferStatus() -> st.SearchStrategy[v1_3.TransferStatus]:
-    return st.builds(
-        v1_3.TransferStatus,
-        room=st.integers(0, 18446744073709551615),
-        status=st.sampled_from(v1_3.Status),
-        sender_rank=st.integers(0, 4294967295),
-        reason=_text,
-        failure_kind=st.sampled_from(v1_3.FailureKind),
-    )
-
-
-def v1_3_Notification() -> st.SearchStrategy[v1_3.Notification]:
-    return st.builds(
-        v1_3.Notification,
-        room=st.integers(0, 18446744073709551615),
-        kind=st.sampled_from(v1_3.NotificationKind),
-        chunk_id=st.integers(0, 4294967295),
-        is_last=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        component=st.integers(0, 4294967295),
-        expected_consumers=st.integers(0, 4294967295),
-    )
-
-
-def v1_3_Abort() -> st.SearchStrategy[v1_3.Abort]:
-    return st.builds(
-        v1_3.Abort,
-        room=st.integers(0, 18446744073709551615),
-        sender=_text,
-        reason=_text,
-    )
-
-
-def v1_3_AbortAck() -> st.SearchStrategy[v1_3.AbortAck]:
-    return st.builds(
-        v1_3.AbortAck,
-        room=st.integers(0, 18446744073709551615),
-        sender_rank=st.integers(0, 4294967295),
-    )
-
-
-def v1_3_RegisterAck() -> st.SearchStrategy[v1_3.RegisterAck]:
-    return st.builds(
-        v1_3.RegisterAck,
-        accepted=st.booleans(),
-        sender_rank=st.integers(0, 4294967295),
-        failure_kind=st.sampled_from(v1_3.FailureKind),
-        reason=_text,
-    )
+_SINCE: dict[type, dict[int, int]] = {
+    v1.StateType: {4: 3, 5: 4, 6: 4, 7: 4, 8: 4, 9: 4, 10: 4, 11: 4, 12: 4, 13: 4, 14: 4},
+    v1.FailureKind: {0: 2, 1: 2, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2},
+    v1.StateIndexing: {0: 2, 1: 2, 2: 2, 3: 4},
+    v1.StateSharding: {0: 2, 1: 2, 2: 2, 3: 2},
+}
+
+
+def _enum(cls: Any, v: int) -> st.SearchStrategy[Any]:
+    """The values of an enum that minor ``v`` has."""
+    since = _SINCE.get(cls, {})
+    return st.sampled_from([x for x in cls if since.get(int(x), 0) <= v])
+
+
+def _v1_Version(v: int) -> st.SearchStrategy[v1.Version]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["major"] = st.integers(0, 65535)
+    fields["minor"] = st.integers(0, 65535)
+    return st.builds(v1.Version, **fields)
+
+
+def _v1_ParallelGeometry(v: int) -> st.SearchStrategy[v1.ParallelGeometry]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["tp_size"] = st.integers(0, 4294967295)
+    fields["tp_rank"] = st.integers(0, 4294967295)
+    fields["pp_size"] = st.integers(0, 4294967295)
+    fields["pp_rank"] = st.integers(0, 4294967295)
+    fields["cp_size"] = st.integers(0, 4294967295)
+    fields["cp_rank"] = st.integers(0, 4294967295)
+    fields["dp_size"] = st.integers(0, 4294967295)
+    fields["dp_rank"] = st.integers(0, 4294967295)
+    return st.builds(v1.ParallelGeometry, **fields)
+
+
+def _v1_ModelFingerprint(v: int) -> st.SearchStrategy[v1.ModelFingerprint]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["model_name"] = _text
+    fields["revision"] = _text
+    fields["dtype"] = _text
+    fields["num_layers"] = st.integers(0, 4294967295)
+    fields["num_attention_layers"] = st.integers(0, 4294967295)
+    fields["num_state_layers"] = st.integers(0, 4294967295)
+    return st.builds(v1.ModelFingerprint, **fields)
+
+
+def _v1_Hello(v: int) -> st.SearchStrategy[v1.Hello]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["protocol"] = _text
+    fields["versions"] = st.lists(_v1_Version(v), max_size=4)
+    fields["role"] = _enum(v1.Role, v)
+    fields["engine_id"] = _text
+    fields["geometry"] = _v1_ParallelGeometry(v)
+    fields["model"] = _v1_ModelFingerprint(v)
+    fields["capabilities"] = st.lists(_text, max_size=4)
+    return st.builds(v1.Hello, **fields)
+
+
+def _v1_HeadSharding(v: int) -> st.SearchStrategy[v1.HeadSharding]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    if v >= 2:
+        fields["page_size"] = st.integers(0, 4294967295)
+        fields["layout"] = _enum(v1.KvLayout, v)
+        fields["kv_heads_per_rank"] = st.integers(0, 4294967295)
+        fields["kv_heads_total"] = st.integers(0, 4294967295)
+        fields["bytes_per_head"] = st.integers(0, 4294967295)
+    return st.builds(v1.HeadSharding, **fields)
+
+
+def _v1_StateTensorLayout(v: int) -> st.SearchStrategy[v1.StateTensorLayout]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    if v >= 4:
+        fields["slot_stride"] = st.integers(0, 18446744073709551615)
+        fields["offset"] = st.integers(0, 18446744073709551615)
+        fields["outer_rows"] = st.integers(0, 4294967295)
+        fields["replicated"] = st.booleans()
+    return st.builds(v1.StateTensorLayout, **fields)
+
+
+def _v1_StateComponent(v: int) -> st.SearchStrategy[v1.StateComponent]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    if v >= 1:
+        fields["type"] = _enum(v1.StateType, v)
+        fields["base_addrs"] = _array(_a.U64)
+        fields["region_lens"] = _array(_a.U64)
+        fields["bytes_per_slot"] = _array(_a.U64)
+        fields["shard_axis_sizes"] = _array(_a.U64)
+        fields["sub_blocks"] = st.lists(_array(_a.U64), max_size=4)
+        fields["mem_descs"] = st.lists(_blob, max_size=4)
+    if v >= 2:
+        fields["tensor_names"] = st.lists(_text, max_size=4)
+        fields["indexing"] = _enum(v1.StateIndexing, v)
+        fields["sharding"] = _enum(v1.StateSharding, v)
+        fields["heads"] = st.none() | _v1_HeadSharding(v)
+    if v >= 3:
+        fields["layer_ids"] = _array(_a.U32)
+    if v >= 4:
+        fields["tensor_layouts"] = st.lists(_v1_StateTensorLayout(v), max_size=4)
+    return st.builds(v1.StateComponent, **fields)
+
+
+def _v1_RegisterInfo(v: int) -> st.SearchStrategy[v1.RegisterInfo]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["endpoint"] = _text
+    fields["engine_id"] = _text
+    fields["agent_name"] = _text
+    fields["agent_metadata"] = _blob
+    fields["geometry"] = _v1_ParallelGeometry(v)
+    fields["first_layer"] = st.integers(0, 4294967295)
+    fields["num_layers"] = st.integers(0, 4294967295)
+    fields["k_base_addrs"] = _array(_a.U64)
+    fields["v_base_addrs"] = _array(_a.U64)
+    fields["bytes_per_page"] = _array(_a.U64)
+    fields["region_lens"] = _array(_a.U64)
+    fields["num_pages"] = st.integers(0, 18446744073709551615)
+    fields["page_size"] = st.integers(0, 4294967295)
+    fields["kv_layout"] = _enum(v1.KvLayout, v)
+    fields["kv_heads_per_rank"] = st.integers(0, 4294967295)
+    fields["kv_heads_total"] = st.integers(0, 4294967295)
+    fields["bytes_per_head"] = st.integers(0, 4294967295)
+    fields["is_mla"] = st.booleans()
+    fields["aux_base_addrs"] = _array(_a.U64)
+    fields["aux_lens"] = _array(_a.U64)
+    fields["aux_item_lens"] = _array(_a.U64)
+    fields["kv_mem_descs"] = st.lists(_blob, max_size=4)
+    if v >= 1:
+        fields["state_components"] = st.lists(_v1_StateComponent(v), max_size=4)
+    if v >= 2:
+        fields["aux_mem_descs"] = st.lists(_blob, max_size=4)
+    if v >= 4:
+        fields["kv_page_stride"] = st.integers(0, 18446744073709551615)
+        fields["k_page_offset"] = st.integers(0, 18446744073709551615)
+        fields["v_page_offset"] = st.integers(0, 18446744073709551615)
+    if v >= 6:
+        fields["kv_head_stride"] = st.integers(0, 18446744073709551615)
+    return st.builds(v1.RegisterInfo, **fields)
+
+
+def _v1_TransferRequest(v: int) -> st.SearchStrategy[v1.TransferRequest]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["room"] = st.integers(0, 18446744073709551615)
+    fields["sender"] = _text
+    fields["dst_kv_indices"] = _array(_a.I32)
+    fields["dst_aux_index"] = st.integers(-2147483648, 2147483647)
+    fields["required_dst_info_num"] = st.integers(0, 4294967295)
+    fields["decode_prefix_len"] = st.integers(0, 18446744073709551615)
+    fields["is_dummy"] = st.booleans()
+    if v >= 1:
+        fields["state_indices"] = st.lists(st.none() | _array(_a.I32), max_size=4)
+    return st.builds(v1.TransferRequest, **fields)
+
+
+def _v1_TransferStatus(v: int) -> st.SearchStrategy[v1.TransferStatus]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["room"] = st.integers(0, 18446744073709551615)
+    fields["status"] = _enum(v1.Status, v)
+    fields["sender_rank"] = st.integers(0, 4294967295)
+    fields["reason"] = _text
+    if v >= 2:
+        fields["failure_kind"] = _enum(v1.FailureKind, v)
+    return st.builds(v1.TransferStatus, **fields)
+
+
+def _v1_Notification(v: int) -> st.SearchStrategy[v1.Notification]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["room"] = st.integers(0, 18446744073709551615)
+    fields["kind"] = _enum(v1.NotificationKind, v)
+    fields["chunk_id"] = st.integers(0, 4294967295)
+    fields["is_last"] = st.booleans()
+    fields["sender_rank"] = st.integers(0, 4294967295)
+    fields["component"] = st.integers(0, 4294967295)
+    fields["expected_consumers"] = st.integers(0, 4294967295)
+    if v >= 5:
+        fields["chunk_count"] = st.integers(0, 4294967295)
+        fields["also_components"] = _array(_a.U32)
+        fields["also_aux"] = st.booleans()
+    return st.builds(v1.Notification, **fields)
+
+
+def _v1_Abort(v: int) -> st.SearchStrategy[v1.Abort]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["room"] = st.integers(0, 18446744073709551615)
+    fields["sender"] = _text
+    fields["reason"] = _text
+    return st.builds(v1.Abort, **fields)
+
+
+def _v1_AbortAck(v: int) -> st.SearchStrategy[v1.AbortAck]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    fields["room"] = st.integers(0, 18446744073709551615)
+    fields["sender_rank"] = st.integers(0, 4294967295)
+    return st.builds(v1.AbortAck, **fields)
+
+
+def _v1_RegisterAck(v: int) -> st.SearchStrategy[v1.RegisterAck]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    if v >= 2:
+        fields["accepted"] = st.booleans()
+        fields["sender_rank"] = st.integers(0, 4294967295)
+        fields["failure_kind"] = _enum(v1.FailureKind, v)
+        fields["reason"] = _text
+    return st.builds(v1.RegisterAck, **fields)
 
 
 STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]]] = {
     (1, 0): {
-        "Hello": v1_0_Hello,
-        "RegisterInfo": v1_0_RegisterInfo,
-        "TransferRequest": v1_0_TransferRequest,
-        "TransferStatus": v1_0_TransferStatus,
-        "Notification": v1_0_Notification,
-        "Abort": v1_0_Abort,
-        "AbortAck": v1_0_AbortAck,
+        "Hello": lambda: _v1_Hello(0),
+        "RegisterInfo": lambda: _v1_RegisterInfo(0),
+        "TransferRequest": lambda: _v1_TransferRequest(0),
+        "TransferStatus": lambda: _v1_TransferStatus(0),
+        "Notification": lambda: _v1_Notification(0),
+        "Abort": lambda: _v1_Abort(0),
+        "AbortAck": lambda: _v1_AbortAck(0),
     },
     (1, 1): {
-        "Hello": v1_1_Hello,
-        "RegisterInfo": v1_1_RegisterInfo,
-        "TransferRequest": v1_1_TransferRequest,
-        "TransferStatus": v1_1_TransferStatus,
-        "Notification": v1_1_Notification,
-        "Abort": v1_1_Abort,
-        "AbortAck": v1_1_AbortAck,
+        "Hello": lambda: _v1_Hello(1),
+        "RegisterInfo": lambda: _v1_RegisterInfo(1),
+        "TransferRequest": lambda: _v1_TransferRequest(1),
+        "TransferStatus": lambda: _v1_TransferStatus(1),
+        "Notification": lambda: _v1_Notification(1),
+        "Abort": lambda: _v1_Abort(1),
+        "AbortAck": lambda: _v1_AbortAck(1),
     },
     (1, 2): {
-        "Hello": v1_2_Hello,
-        "RegisterInfo": v1_2_RegisterInfo,
-        "TransferRequest": v1_2_TransferRequest,
-        "TransferStatus": v1_2_TransferStatus,
-        "Notification": v1_2_Notification,
-        "Abort": v1_2_Abort,
-        "AbortAck": v1_2_AbortAck,
-        "RegisterAck": v1_2_RegisterAck,
+        "Hello": lambda: _v1_Hello(2),
+        "RegisterInfo": lambda: _v1_RegisterInfo(2),
+        "TransferRequest": lambda: _v1_TransferRequest(2),
+        "TransferStatus": lambda: _v1_TransferStatus(2),
+        "Notification": lambda: _v1_Notification(2),
+        "Abort": lambda: _v1_Abort(2),
+        "AbortAck": lambda: _v1_AbortAck(2),
+        "RegisterAck": lambda: _v1_RegisterAck(2),
     },
     (1, 3): {
-        "Hello": v1_3_Hello,
-        "RegisterInfo": v1_3_RegisterInfo,
-        "TransferRequest": v1_3_TransferRequest,
-        "TransferStatus": v1_3_TransferStatus,
-        "Notification": v1_3_Notification,
-        "Abort": v1_3_Abort,
-        "AbortAck": v1_3_AbortAck,
-        "RegisterAck": v1_3_RegisterAck,
+        "Hello": lambda: _v1_Hello(3),
+        "RegisterInfo": lambda: _v1_RegisterInfo(3),
+        "TransferRequest": lambda: _v1_TransferRequest(3),
+        "TransferStatus": lambda: _v1_TransferStatus(3),
+        "Notification": lambda: _v1_Notification(3),
+        "Abort": lambda: _v1_Abort(3),
+        "AbortAck": lambda: _v1_AbortAck(3),
+        "RegisterAck": lambda: _v1_RegisterAck(3),
+    },
+    (1, 4): {
+        "Hello": lambda: _v1_Hello(4),
+        "RegisterInfo": lambda: _v1_RegisterInfo(4),
+        "TransferRequest": lambda: _v1_TransferRequest(4),
+        "TransferStatus": lambda: _v1_TransferStatus(4),
+        "Notification": lambda: _v1_Notification(4),
+        "Abort": lambda: _v1_Abort(4),
+        "AbortAck": lambda: _v1_AbortAck(4),
+        "RegisterAck": lambda: _v1_RegisterAck(4),
+    },
+    (1, 5): {
+        "Hello": lambda: _v1_Hello(5),
+        "RegisterInfo": lambda: _v1_RegisterInfo(5),
+        "TransferRequest": lambda: _v1_TransferRequest(5),
+        "TransferStatus": lambda: _v1_TransferStatus(5),
+        "Notification": lambda: _v1_Notification(5),
+        "Abort": lambda: _v1_Abort(5),
+        "AbortAck": lambda: _v1_AbortAck(5),
+        "RegisterAck": lambda: _v1_RegisterAck(5),
+    },
+    (1, 6): {
+        "Hello": lambda: _v1_Hello(6),
+        "RegisterInfo": lambda: _v1_RegisterInfo(6),
+        "TransferRequest": lambda: _v1_TransferRequest(6),
+        "TransferStatus": lambda: _v1_TransferStatus(6),
+        "Notification": lambda: _v1_Notification(6),
+        "Abort": lambda: _v1_Abort(6),
+        "AbortAck": lambda: _v1_AbortAck(6),
+        "RegisterAck": lambda: _v1_RegisterAck(6),
     },
 }

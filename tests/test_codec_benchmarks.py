@@ -1,7 +1,7 @@
 """The codec benchmarks still run: they check before timing that every codec in a table carries
 the same content (the floor and the baselines against pdwire's own frames), so a change that
 breaks that equality, or the scripts themselves, fails here rather than when someone next
-reproduces the README's tables. Timing is not asserted (speed targets live in the benchmarks).
+reproduces the tables in benchmarks/README.md. Timing is not asserted (speed targets live in the benchmarks).
 """
 
 from __future__ import annotations

@@ -1,5 +1,27 @@
-"""Hand-written support library of the generated codecs (``pdwire.wire``).
+"""Support library of the generated codecs (``pdwire.wire``), and nothing else.
 
-Pure and protocol-agnostic apart from :mod:`.migrations`: errors, the fixed header frame,
-packed-array helpers, msgspec error translation and version agreement.
+Every module here is imported by generated code: :mod:`.errors`, :mod:`.header`,
+:mod:`.arrays`, :mod:`.types`, :mod:`.msgspec_errors`, :mod:`.negotiate`, :mod:`.model`,
+:mod:`.envelope` (the envelope layout) and :mod:`.frame_encodings`, :mod:`.positional_codec`,
+:mod:`.profile_errors` (positional layouts). Protocol-specific code (migrations, SGLang's
+rules and conversions) lives with its protocol in :mod:`pdwire.protocols`.
+
+Generated modules call :func:`require` with the API version they were generated against, so
+a checkout whose ``generated/`` is older or newer than this library fails at import with a
+message saying to rerun ``pdwire codegen``, instead of misbehaving later (Kaitai Struct's
+runtime-version check). Bump :data:`API_VERSION` with any change generated code can notice.
 """
+
+from __future__ import annotations
+
+API_VERSION = 2
+"""The contract between generated code and this library."""
+
+
+def require(version: int, module: str) -> None:
+    """Refuse to import generated code written for another :data:`API_VERSION`."""
+    if version != API_VERSION:
+        raise ImportError(
+            f"{module} was generated for pdwire.wirecore API {version}, this library is API "
+            f"{API_VERSION}: regenerate it with `pdwire codegen`"
+        )

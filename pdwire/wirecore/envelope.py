@@ -1,22 +1,31 @@
-"""The envelope layout's frame logic, shared by every generated version module.
+"""The envelope layout's frame logic, shared by every generated major module.
 
 A message is ``[header, body, *side_frames]``: the 12-byte header (:mod:`.header`), a
 msgpack array whose positions are the fields' stable ids, and one frame per large packed
 array. The single-buffer form is ``header + body`` with every array inline.
 
-Generated code supplies one :class:`MessageCodec` per (version, message type); a
-:class:`Registry` ties every version of a protocol together: it reads the header first,
-dispatches on (version, type) before touching the body, upgrades older minors to the newest
-model and down-converts when encoding for an older peer.
+One model per major: a generated major module declares each message once (its newest
+minor's struct, wire struct, encoder and decoders) in a :class:`MessageSpec`, plus what the
+older minors need: ``at`` (the message as minor ``v`` carries it: hooks, dropped fields,
+refusals), ``trim`` (cut a body to minor ``v``'s positions) and, for minors whose body still
+holds fields removed later, a :class:`Legacy` layout. :func:`major_codecs` turns those into
+one :class:`MessageCodec` per (version, type id); a :class:`Registry` ties every version of a
+protocol together: it reads the header first and dispatches on (version, type) before
+touching the body.
+
+An older minor's body is read with the newest wire struct (msgspec fills the positions it
+lacks with their defaults) and then checked with ``at``: content the claimed version cannot
+carry is refused, never guessed.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 from .arrays import Buffer, Cursor, Frames, SideCounter, SideFrames
 from .errors import (
@@ -24,6 +33,7 @@ from .errors import (
     DowngradeError,
     EncodeError,
     FrameCountError,
+    FrameError,
     HeaderError,
     UnknownMessageType,
     UnsupportedVersion,
@@ -35,9 +45,39 @@ from .msgspec_errors import body_error
 from .negotiate import Version, describe
 
 Step = Callable[[Any], Any]
+ToWire = Callable[[Any, SideFrames | None], list[Any]]
+FromWire = Callable[[Any, Cursor], Any]
+FastFromWire = Callable[[Any, Frames, SideCounter], Any]
 _count = itertools.count
-# header bytes -> (body decoder, fast generated decoder, frame count, step to newest, version)
-_Entry = tuple[Callable[[Any], Any], Callable[[Any, Frames, SideCounter], Any], int, Step | None, Version]
+# header bytes -> (body decoder, fast generated decoder, frame count, check after decoding, version)
+_Entry = tuple[Callable[[Any], Any], FastFromWire, int, Step | None, Version]
+
+
+# --- what generated major modules declare ---------------------------------------------------
+class Legacy(NamedTuple):
+    """The layout of a minor whose body still carries fields the model no longer has."""
+
+    to_wire: ToWire
+    wire: type  # the wire struct of that minor
+    from_wire: FromWire
+    slots: tuple[str, ...]
+
+
+class MessageSpec(NamedTuple):
+    """One top-level message of one major, as the generated module declares it."""
+
+    name: str
+    type_id: int
+    since: int  # the minor it appeared in
+    cls: type
+    to_wire: ToWire
+    wire: type  # the newest minor's wire struct
+    from_wire: FromWire
+    fast_from_wire: FastFromWire
+    slots: tuple[str, ...]  # field name by id (newest), for error messages
+    at: Callable[[Any, int], Any] | None = None  # the message as minor v carries it
+    trim: Callable[[list[Any], int], Any] | None = None  # cut a newest body to minor v
+    legacy: Mapping[int, Legacy] = {}
 
 
 class MessageCodec(NamedTuple):
@@ -48,12 +88,12 @@ class MessageCodec(NamedTuple):
     protocol_id: int
     version: Version
     cls: type
-    to_wire: Callable[[Any, SideFrames | None], list[Any]]
+    to_wire: ToWire
     decoder: msgspec.msgpack.Decoder[Any]
-    from_wire: Callable[[Any, Cursor], Any]
-    # the same without checks of its own: any surprise raises and from_wire runs instead
-    fast_from_wire: Callable[[Any, Frames, SideCounter], Any]
-    slots: tuple[str, ...]  # field name by id, for error messages
+    from_wire: FromWire
+    fast_from_wire: FastFromWire | None  # None: every message takes the checked path
+    after: Step | None  # applied to what the decoders return (an older minor's check)
+    slots: tuple[str, ...]
     headers: tuple[bytes, ...]  # header frame by side-frame count, for the first HEADERS_CACHED counts
     lone_cursor: Cursor  # shared by messages without side frames (never mutated: any reference fails)
 
@@ -79,11 +119,12 @@ def codec(
     protocol_id: int,
     version: Version,
     cls: type,
-    to_wire: Callable[[Any, SideFrames | None], list[Any]],
+    to_wire: ToWire,
     decoder: msgspec.msgpack.Decoder[Any],
-    from_wire: Callable[[Any, Cursor], Any],
-    fast_from_wire: Callable[[Any, Frames, SideCounter], Any],
+    from_wire: FromWire,
+    fast_from_wire: FastFromWire | None,
     slots: tuple[str, ...],
+    after: Step | None = None,
 ) -> MessageCodec:
     """A :class:`MessageCodec` with its precomputed header frames."""
     headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
@@ -98,12 +139,181 @@ def codec(
         decoder,
         from_wire,
         fast_from_wire,
+        after,
         slots,
         headers,
         lone,
     )
 
 
+def _older_to_wire(spec: MessageSpec, v: int) -> ToWire:
+    at, trim, enc = spec.at, spec.trim, spec.to_wire
+    if at is None and trim is None:
+        return enc
+
+    def to_wire(msg: Any, side: SideFrames | None) -> list[Any]:
+        body = enc(msg if at is None else at(msg, v), side)
+        if trim is not None:
+            trim(body, v)
+        return body
+
+    return to_wire
+
+
+def _older_check(spec: MessageSpec, v: int, version: Version) -> Step | None:
+    """What runs after decoding a message of minor ``v`` with the newest struct."""
+    at = spec.at
+    if at is None:
+        return None
+
+    def check(msg: Any) -> Any:
+        try:
+            return at(msg, v)
+        except DowngradeError as exc:
+            raise BodyError(
+                f"carries what version {version[0]}.{version[1]} does not have: {exc.problem}",
+                message=spec.name,
+                field=exc.field,
+                frame=1,
+            ) from None
+
+    return check
+
+
+def major_codecs(
+    protocol_id: int, major: int, minors: Sequence[int], specs: Sequence[MessageSpec]
+) -> dict[Version, dict[int, MessageCodec]]:
+    """One codec per (version, type id) of a major from its message declarations."""
+    newest = max(minors)
+    out: dict[Version, dict[int, MessageCodec]] = {}
+    for v in minors:
+        version = (major, v)
+        table: dict[int, MessageCodec] = {}
+        for s in specs:
+            if s.since > v:
+                continue
+            legacy = s.legacy.get(v)
+            if legacy is not None:
+                table[s.type_id] = codec(
+                    name=s.name,
+                    type_id=s.type_id,
+                    protocol_id=protocol_id,
+                    version=version,
+                    cls=s.cls,
+                    to_wire=legacy.to_wire,
+                    decoder=msgspec.msgpack.Decoder(legacy.wire),
+                    from_wire=legacy.from_wire,
+                    fast_from_wire=None,
+                    slots=legacy.slots,
+                )
+                continue
+            table[s.type_id] = codec(
+                name=s.name,
+                type_id=s.type_id,
+                protocol_id=protocol_id,
+                version=version,
+                cls=s.cls,
+                to_wire=s.to_wire if v == newest else _older_to_wire(s, v),
+                decoder=msgspec.msgpack.Decoder(s.wire),
+                from_wire=s.from_wire,
+                fast_from_wire=s.fast_from_wire,
+                after=None if v == newest else _older_check(s, v, version),
+                slots=s.slots,
+            )
+        out[version] = table
+    return out
+
+
+# --- helpers the generated `at` functions call ------------------------------------------------
+def _is_default(value: Any, default: Any) -> bool:
+    if isinstance(default, list) or isinstance(value, np.ndarray):
+        return len(value) == 0
+    return bool(value is default or value == default)
+
+
+def absent(value: Any, default: Any, where: str, since: Version, version: int) -> None:
+    """Refuse a value of a field that minor ``version`` of ``since``'s major does not have."""
+    if not _is_default(value, default):
+        shown = value.tolist() if isinstance(value, np.ndarray) else value
+        text = repr(shown)
+        raise DowngradeError(
+            f"added in {since[0]}.{since[1]}: version {since[0]}.{version} cannot carry "
+            f"{text if len(text) <= 60 else text[:57] + '...'}",
+            field=where,
+        )
+
+
+def enum_at(value: Any, since: Mapping[int, int], where: str, major: int, version: int) -> None:
+    """Refuse an enum value that minor ``version`` does not have (``since``: value -> minor)."""
+    first = since.get(int(value), 0)
+    if first > version:
+        name = getattr(value, "name", str(value))
+        raise DowngradeError(
+            f"value {name} does not exist before {major}.{first} (version {major}.{version} peers refuse it)",
+            field=where,
+        )
+
+
+def apply_hook(msg: Any, values: Mapping[str, Any], old: dict[str, Any] | None) -> Any:
+    """What a downgrade hook returned: values of the model's fields replace them, values of
+    fields the model no longer has go to ``old`` (a legacy layout writes them)."""
+    if not values:
+        return msg
+    fields = set(msg.__struct_fields__)
+    if old is not None:
+        old.update({k: val for k, val in values.items() if k not in fields})
+    changes = {k: val for k, val in values.items() if k in fields}
+    return msgspec.structs.replace(msg, **changes) if changes else msg
+
+
+def reset(msg: Any, defaults: Mapping[str, Any]) -> Any:
+    """``msg`` with the given fields at their defaults (a copy, only when one differs)."""
+    changes = {k: d for k, d in defaults.items() if not _is_default(getattr(msg, k), d)}
+    return msgspec.structs.replace(msg, **changes) if changes else msg
+
+
+# --- encode-side checks of scalars ------------------------------------------------------------
+# (field name, kind, lower bound or enum class, upper bound): kind "int", "bool", "str", "enum";
+# an optional field's entry is preceded by "?"
+Scalar = tuple[str, str, Any, Any]
+
+
+def refuse_scalars(msg: Any, name: str, scalars: Sequence[Scalar]) -> None:
+    """The generated encoders' slow path: raise EncodeError for the first field whose value is
+    outside its type, naming message and field; return when every value is acceptable after
+    all (an int given for an enum field that names one of its values)."""
+    for field, kind, lo, hi in scalars:
+        value = getattr(msg, field)
+        if kind.startswith("?"):
+            if value is None:
+                continue
+            kind = kind[1:]
+        problem = _scalar_problem(value, kind, lo, hi)
+        if problem is not None:
+            raise EncodeError(problem, message=name, field=field)
+
+
+def _scalar_problem(value: Any, kind: str, lo: Any, hi: Any) -> str | None:
+    if kind == "bool":
+        return None if type(value) is bool else f"expected bool, got {type(value).__name__} {value!r}"
+    if kind == "str":
+        return None if isinstance(value, str) else f"expected str, got {type(value).__name__}"
+    if kind == "enum":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected {lo.__name__}, got {type(value).__name__} {value!r}"
+        try:
+            lo(value)
+        except ValueError:
+            return f"{value} is not a {lo.__name__} (values: {', '.join(f'{m.name}={m.value}' for m in lo)})"
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"expected an integer, got {type(value).__name__} {value!r}"
+    if not lo <= value <= hi:
+        return f"{value} is outside [{lo}, {hi}]"
+    return None
+
+
+# --- encoding and decoding --------------------------------------------------------------------
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -147,7 +357,7 @@ def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
         raise body_error(exc, mc.name, mc.slots) from None
     except WireError:
         raise
-    except Exception as exc:  # e.g. RecursionError, a frame without the buffer protocol
+    except Exception as exc:  # e.g. RecursionError
         raise BodyError(f"undecodable body: {exc!r}", message=mc.name, frame=1) from None
     lone = len(frames) == 2
     cursor = mc.lone_cursor if lone else Cursor(frames, mc.name)
@@ -159,24 +369,60 @@ def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
         raise BodyError(f"undecodable body: {exc!r}", message=mc.name, frame=1) from None
     if not lone:
         cursor.finish(strict)
-    return msg
+    return msg if mc.after is None else mc.after(msg)
 
 
 def split_bytes(buf: Buffer) -> list[Buffer]:
     """The single-buffer form as frames: header and body, without copying."""
-    view = memoryview(buf)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise FrameError(f"expected one buffer, got {type(buf).__name__}") from None
     if len(view) < HEADER_SIZE:
         raise HeaderError(f"buffer is {len(view)} bytes, shorter than the {HEADER_SIZE}-byte header", frame=0)
     return [bytes(view[:HEADER_SIZE]), view[HEADER_SIZE:]]  # a 12-byte copy: the header dispatches by value
 
 
-class Registry:
-    """All versions of one protocol: dispatch, upgrade, down-conversion.
+def as_frames(frames: Any) -> list[Buffer]:
+    """``frames`` as a list of buffers, or :class:`FrameError` saying what is not one."""
+    if isinstance(frames, bytes | bytearray | memoryview | str) or not isinstance(frames, Sequence | list):
+        what = type(frames).__name__
+        hint = "; decode_bytes reads the single-buffer form" if isinstance(frames, bytes | bytearray) else ""
+        raise FrameError(f"expected a list of frames (as recv_multipart returns), got {what}{hint}")
+    out: list[Buffer] = []
+    for i, f in enumerate(frames):
+        if type(f) is bytes or isinstance(f, bytearray | memoryview):
+            out.append(f)
+            continue
+        buffer = getattr(f, "buffer", None)  # a zmq.Frame
+        if isinstance(buffer, memoryview):
+            out.append(buffer)
+            continue
+        try:
+            out.append(memoryview(f))
+        except TypeError:
+            raise FrameError(f"frame of type {type(f).__name__} is not a buffer", frame=i) from None
+    return out
 
-    ``codecs`` maps each version to its message codecs by type id; ``up``/``down`` map
-    ``(message name, target version)`` to the step function converting from the adjacent
-    version (absent: the class is shared, the step is the identity). ``frozen_types`` are
-    type ids (the handshake) decodable at any major with the newest layout.
+
+def _version_arg(version: Any) -> Version:
+    if type(getattr(version, "major", None)) is int and type(getattr(version, "minor", None)) is int:
+        return version.major, version.minor  # a wire Version (what hello_versions() lists)
+    if (
+        isinstance(version, tuple | list)
+        and len(version) == 2
+        and all(type(x) is int for x in version)  # never a bool, a str or a float
+    ):
+        return version[0], version[1]
+    hint = " (write (1, 3) for version 1.3)" if isinstance(version, str) else ""
+    raise EncodeError(f"version must be a (major, minor) tuple of ints or a Version, got {version!r}{hint}")
+
+
+class Registry:
+    """All versions of one protocol: dispatch, older minors, down-conversion.
+
+    ``codecs`` maps each version to its message codecs by type id. ``frozen_types`` are type
+    ids (the handshake) decodable at any major with the newest layout.
     """
 
     def __init__(
@@ -185,8 +431,6 @@ class Registry:
         protocol: str,
         protocol_id: int,
         codecs: Mapping[Version, Mapping[int, MessageCodec]],
-        up: Mapping[tuple[str, Version], Step],
-        down: Mapping[tuple[str, Version], Step],
         frozen_types: frozenset[int] = frozenset(),
     ) -> None:
         self.protocol = protocol
@@ -194,64 +438,58 @@ class Registry:
         self.versions: list[Version] = sorted(codecs)
         self.newest = self.versions[-1]
         self.codecs = codecs
-        self.up = up
-        self.down = down
         self.frozen_types = frozen_types
         self.by_class: dict[type, MessageCodec] = {}
-        for v in self.versions:  # later versions win: a shared class encodes at the newest
+        for v in self.versions:  # later versions win: a class encodes at its major's newest minor
             for mc in codecs[v].values():
                 self.by_class[mc.cls] = mc
-        self.dispatch: dict[tuple[int, int, int], tuple[MessageCodec, Step | None]] = {}
-        # exact header frame -> (codec, step to the newest model, frame count, version): one
+        self.dispatch: dict[tuple[int, int, int], MessageCodec] = {}
+        # exact header frame -> (body decoder, fast decoder, frame count, check, version): one
         # dict lookup checks magic, protocol, version, type and side-frame count together
         self.by_header: dict[bytes, _Entry] = {}
         for v in self.versions:
             for tid, mc in codecs[v].items():
-                step = self._chain(mc.name, v, self.newest)
-                self.dispatch[(v[0], v[1], tid)] = (mc, step)
+                self.dispatch[(v[0], v[1], tid)] = mc
+                if mc.fast_from_wire is None:
+                    continue
                 for k, header in enumerate(mc.headers):
-                    self.by_header[header] = (mc.decoder.decode, mc.fast_from_wire, k + 2, step, v)
+                    self.by_header[header] = (mc.decoder.decode, mc.fast_from_wire, k + 2, mc.after, v)
 
-    # --- conversion between versions -------------------------------------------------
-    def _chain(self, name: str, frm: Version, to: Version) -> Step | None:
-        i, j = self.versions.index(frm), self.versions.index(to)
-        steps: list[Step] = []
-        if i < j:
-            steps = [self.up[(name, v)] for v in self.versions[i + 1 : j + 1] if (name, v) in self.up]
-        elif i > j:
-            steps = [self.down[(name, v)] for v in reversed(self.versions[j:i]) if (name, v) in self.down]
-        if not steps:
-            return None
-        if len(steps) == 1:
-            return steps[0]
-
-        def run(msg: Any) -> Any:
-            for s in steps:
-                msg = s(msg)
-            return msg
-
-        return run
-
-    def convert(self, msg: Any, version: Version) -> tuple[MessageCodec, Any]:
-        """Convert ``msg`` to the model of ``version``; the codec to encode it with."""
+    # --- down-conversion ------------------------------------------------------------------
+    def target(self, msg: Any, version: Any) -> MessageCodec:
+        """The codec that writes ``msg`` at ``version``; a typed error when it cannot."""
         mc = self.by_class.get(type(msg))
         if mc is None:
             raise EncodeError(f"{type(msg).__name__} is not a {self.protocol} message")
-        version = (int(version[0]), int(version[1]))
-        target = self.codecs.get(version)
-        if target is None:
+        major, minor = _version_arg(version)
+        table = self.codecs.get((major, minor))
+        if table is None:
             raise EncodeError(
-                f"version {version[0]}.{version[1]} is not one this build writes ({describe(self.versions)})",
+                f"version {major}.{minor} is not one this build writes ({describe(self.versions)})",
                 message=mc.name,
             )
-        out = target.get(mc.type_id)
+        if major != mc.version[0]:
+            raise EncodeError(
+                f"a message of the {mc.version[0]}.x model cannot be written at {major}.{minor}",
+                message=mc.name,
+            )
+        out = table.get(mc.type_id)
         if out is None:
-            raise DowngradeError(f"does not exist at version {version[0]}.{version[1]}", message=mc.name)
-        step = self._chain(mc.name, mc.version, version) if mc.version != version else None
-        return out, (msg if step is None else step(msg))
+            raise DowngradeError(f"does not exist at version {major}.{minor}", message=mc.name)
+        return out
 
-    # --- public codec ----------------------------------------------------------------
-    def encode(self, msg: Any, version: Version | None = None) -> list[Buffer]:
+    def check(self, msg: Any, version: Any) -> None:
+        """Raise :class:`DowngradeError` unless ``msg`` can be sent at ``version`` as it is."""
+        mc = self.target(msg, version)
+        try:
+            mc.to_wire(msg, [])
+        except WireError:
+            raise
+        except Exception as exc:
+            raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
+
+    # --- public codec ----------------------------------------------------------------------
+    def encode(self, msg: Any, version: Any = None) -> list[Buffer]:
         mc = self.by_class.get(type(msg))
         if mc is not None and (version is None or version == mc.version):
             # the common case inline; any failure repeats through encode_with, which
@@ -265,27 +503,26 @@ class Registry:
             if n < HEADERS_CACHED:
                 return [mc.headers[n], body, *side]
             return encode_with(mc, msg)
-        if mc is None:
+        if version is None:
             raise EncodeError(f"{type(msg).__name__} is not a {self.protocol} message")
-        if version is None or version == mc.version:
-            return encode_with(mc, msg)
-        return encode_with(*self.convert(msg, version))
+        return encode_with(self.target(msg, version), msg)
 
-    def encode_bytes(self, msg: Any, version: Version | None = None) -> bytes:
+    def encode_bytes(self, msg: Any, version: Any = None) -> bytes:
         mc = self.by_class.get(type(msg))
         if mc is None:
             raise EncodeError(f"{type(msg).__name__} is not a {self.protocol} message")
         if version is None or version == mc.version:
             return encode_bytes_with(mc, msg)
-        return encode_bytes_with(*self.convert(msg, version))
+        return encode_bytes_with(self.target(msg, version), msg)
 
     def _fast(self, frames: Frames) -> tuple[Any, Version] | None:
         """The common case: a ``bytes`` header this build writes itself (see :meth:`decode`)."""
-        n = len(frames)
-        if n < 2:
+        try:
+            n = len(frames)
+            header = frames[0]
+        except Exception:
             return None
-        header = frames[0]
-        if type(header) is not bytes:
+        if n < 2 or type(header) is not bytes:
             return None
         entry = self.by_header.get(header)
         if entry is None or n != entry[2]:
@@ -295,13 +532,13 @@ class Registry:
             msg = entry[1](entry[0](frames[1]), frames, k)
             if next(k) != n:  # a side frame no field referenced
                 return None
+            after = entry[3]
+            return (msg if after is None else after(msg)), entry[4]
         except Exception:
             return None
-        step = entry[3]
-        return (msg if step is None else step(msg)), entry[4]
 
     def decode(self, frames: Frames) -> Any:
-        """Decode multipart frames into the newest model (older minors are upgraded).
+        """Decode multipart frames into the model of their major.
 
         The common case runs in this one frame: a ``bytes`` header this build writes itself
         (one dict lookup on its bytes checks magic, protocol, version, type and side-frame
@@ -309,30 +546,31 @@ class Registry:
         falls through to the checked path, which repeats the work and raises the classified
         error; decoding has no side effects, so repeating it is safe.
         """
-        n = len(frames)
-        if n >= 2:
-            header = frames[0]
-            if type(header) is bytes:
-                entry = self.by_header.get(header)
-                if entry is not None and n == entry[2]:
-                    try:
-                        k = _count(2)
-                        msg = entry[1](entry[0](frames[1]), frames, k)
-                        ok = next(k) == n  # else a side frame no field referenced
-                    except Exception:
-                        ok = False
-                    if ok:
-                        step = entry[3]
-                        return msg if step is None else step(msg)
+        if type(frames) is list:
+            n = len(frames)
+            if n >= 2:
+                header = frames[0]
+                if type(header) is bytes:
+                    entry = self.by_header.get(header)
+                    if entry is not None and n == entry[2]:
+                        try:
+                            k = _count(2)
+                            msg = entry[1](entry[0](frames[1]), frames, k)
+                            if next(k) == n:  # else a side frame no field referenced
+                                after = entry[3]
+                                return msg if after is None else after(msg)
+                        except Exception:
+                            pass
         return self._checked(frames)[0]
 
     def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
-        """Decode to the newest model; also return the version the sender wrote."""
-        fast = self._fast(frames)
+        """Decode to the model of the frames' major; also return the version the sender wrote."""
+        fast = self._fast(frames) if type(frames) is list else None
         return fast if fast is not None else self._checked(frames)
 
-    def _checked(self, frames: Frames) -> tuple[Any, Version]:
-        """Every header check spelled out; raises the classified error."""
+    def _checked(self, frames: Any) -> tuple[Any, Version]:
+        """Every check spelled out; raises the classified error."""
+        frames = as_frames(frames)
         n = len(frames)
         if n < 2:
             raise FrameCountError(f"{n} frame(s); a message is a header frame and a body frame at least")
@@ -341,17 +579,16 @@ class Registry:
             raise WrongProtocol(f"protocol id {pid}, expected {self.protocol_id} ({self.protocol})", frame=0)
         if n != 2 + side:
             raise FrameCountError(f"header announces {side} side frame(s), got {n - 2}", frame=0)
-        entry = self.dispatch.get((major, minor, tid))
-        if entry is None:
-            entry = self._resolve(major, minor, tid)
-        mc, step = entry
+        mc = self.dispatch.get((major, minor, tid))
+        if mc is None:
+            mc = self._resolve(major, minor, tid)
         msg = decode_with(mc, frames, (major, minor) <= mc.version)
-        return (msg if step is None else step(msg)), (major, minor)
+        return msg, (major, minor)
 
     def decode_bytes(self, buf: Buffer) -> Any:
         return self.decode(split_bytes(buf))
 
-    def _resolve(self, major: int, minor: int, tid: int) -> tuple[MessageCodec, Step | None]:
+    def _resolve(self, major: int, minor: int, tid: int) -> MessageCodec:
         same_major = [v for v in self.versions if v[0] == major]
         if tid in self.frozen_types and not same_major:
             return self.dispatch[(*self.newest, tid)]
@@ -361,39 +598,7 @@ class Registry:
                 frame=0,
             )
         best = same_major[-1]
-        entry = self.dispatch.get((best[0], best[1], tid))
-        if entry is None or minor <= best[1]:
+        mc = self.dispatch.get((best[0], best[1], tid))
+        if mc is None or minor <= best[1]:
             raise UnknownMessageType(f"message type {tid} is not known at version {major}.{minor}", frame=0)
-        return entry  # a newer minor: read what this version knows, skip the rest
-
-
-def single_version_decoder(
-    codecs: Mapping[int, MessageCodec], version: Version, protocol_id: int
-) -> Callable[[Frames], Any]:
-    """A decoder for exactly one version's model, as that version shipped.
-
-    It reads messages of the same major at this minor or any newer one (skipping fields it
-    does not know) and refuses older minors, which need the upgrade of the full codec.
-    """
-
-    def decode(frames: Frames) -> Any:
-        n = len(frames)
-        if n < 2:
-            raise FrameCountError(f"{n} frame(s); a message is a header frame and a body frame at least")
-        pid, major, minor, tid, side = parse_header(frames[0])
-        if pid != protocol_id:
-            raise WrongProtocol(f"protocol id {pid}, expected {protocol_id}", frame=0)
-        if n != 2 + side:
-            raise FrameCountError(f"header announces {side} side frame(s), got {n - 2}", frame=0)
-        if major != version[0] or minor < version[1]:
-            raise UnsupportedVersion(
-                f"version {major}.{minor} cannot be read by the {version[0]}.{version[1]} model", frame=0
-            )
-        mc = codecs.get(tid)
-        if mc is None:
-            raise UnknownMessageType(
-                f"message type {tid} is not known at version {version[0]}.{version[1]}", frame=0
-            )
-        return decode_with(mc, frames, minor == version[1])
-
-    return decode
+        return mc  # a newer minor: read what this version knows, skip the rest

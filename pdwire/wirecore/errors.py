@@ -51,6 +51,10 @@ class UnsupportedVersion(DecodeError):
     """The header's major version is not one this build reads."""
 
 
+class FrameError(DecodeError):
+    """The frames are not a list of buffers, or one of them is not a buffer."""
+
+
 class FrameCountError(DecodeError):
     """Frames are missing or extra relative to what the header and body declare."""
 
@@ -101,6 +105,7 @@ __all__ = [
     "DowngradeError",
     "EncodeError",
     "FrameCountError",
+    "FrameError",
     "HeaderError",
     "NegotiationError",
     "ProtocolNameMismatch",

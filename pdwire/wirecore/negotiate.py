@@ -9,9 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .errors import VersionMismatch
+from .errors import NegotiationError, VersionMismatch
 
 Version = tuple[int, int]
+
+
+def _pairs(versions: object, side: str) -> list[Version]:
+    """``versions`` as (major, minor) pairs; anything else is a typed error naming the side."""
+    if isinstance(versions, str | bytes) or not isinstance(versions, Iterable):
+        raise NegotiationError(f"{side} versions must be a list of (major, minor) pairs, got {versions!r}")
+    out: list[Version] = []
+    for v in versions:
+        if type(getattr(v, "major", None)) is int and type(getattr(v, "minor", None)) is int:
+            out.append((v.major, v.minor))
+        elif isinstance(v, tuple | list) and len(v) == 2 and all(type(x) is int for x in v):
+            out.append((v[0], v[1]))
+        else:
+            raise NegotiationError(f"{side} versions: {v!r} is not a (major, minor) pair of ints")
+    return out
 
 
 def _normalise(versions: Iterable[Version]) -> dict[int, int]:
@@ -31,7 +46,7 @@ def describe(versions: Iterable[Version]) -> str:
 
 def negotiate(ours: Iterable[Version], theirs: Iterable[Version]) -> Version:
     """The highest version both sides read, or :class:`VersionMismatch` naming both lists."""
-    ours_l, theirs_l = list(ours), list(theirs)
+    ours_l, theirs_l = _pairs(ours, "this side's"), _pairs(theirs, "the peer's")
     a, b = _normalise(ours_l), _normalise(theirs_l)
     common = set(a) & set(b)
     if not common:

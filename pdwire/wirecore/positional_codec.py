@@ -255,7 +255,9 @@ class ProfileCodec:
     def spec_of(self, msg: object) -> MessageSpec:
         spec = self._by_class.get(type(msg))
         if spec is None:
-            raise TypeError(f"{type(msg).__name__} is not a message of profile {self.profile}")
+            raise ProfileEncodeError(
+                f"{type(msg).__name__} is not a message of this profile", profile=self.profile, backend=None
+            )
         return spec
 
     def problems(self, msg: object) -> Problems:

@@ -6,13 +6,14 @@ import json
 import struct
 from pathlib import Path
 
+import msgspec
 import numpy as np
+import pdwire.wire as pw
 import pytest
 from pdwire.wire import sglang
-from pdwire.wire import v1_1 as pw
 
 from pdwire.cli import main
-from pdwire.wirecore import sglang_convert as cv
+from pdwire.protocols.sglang import convert as cv
 from pdwire.wirecore.profile_errors import ConversionError
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "golden" / "sglang" / "frames.json").read_text("utf-8"))
@@ -148,10 +149,21 @@ def test_inspect_decodes_every_golden_message(
     lp = tmp_path / "capture.bin"
     lp.write_bytes(b"".join(struct.pack("<I", len(f)) + f for f in frames))
     rc = main(["inspect", "--json", "--profile-version", str(case["version"]), str(lp)])
-    out = json.loads(capsys.readouterr().out)
+    (out,) = json.loads(capsys.readouterr().out)["messages"]
     assert rc == 0 and (out["backend"], out["message"]) == (case["backend"], case["message"])
-    values = {r["field"]: r["value"] for r in out["rows"]} | out["derived"]
+    values = {k: _plain(v) for k, v in (out["fields"] | out.get("derived", {})).items()}
     assert {k: values[k] for k in case["fields"]} == case["fields"]  # type: ignore[attr-defined]
+
+
+def _plain(value: object) -> object:
+    """inspect's JSON values as the golden file writes them: pointers as ints, blobs as hex."""
+    if isinstance(value, str) and value.startswith("0x"):
+        return int(value, 16)
+    if isinstance(value, dict) and set(value) == {"bytes", "hex"}:
+        return value["hex"]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def test_inspect_hex_table_and_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,3 +186,43 @@ def test_inspect_hex_table_and_failures(tmp_path: Path, capsys: pytest.CaptureFi
     trunc.write_bytes(b"\xff\x00\x00\x00ab\x80")
     assert main(["inspect", "--format", "lp", str(trunc)]) == 2
     assert "runs past the end" in capsys.readouterr().err
+
+
+def _supplement(msg: object, comps: int, **kw: object) -> cv.RegisterSupplement:
+    given: dict[str, object] = dict(
+        engine_id="e", pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, first_layer=0, num_layers=1,
+        region_lens=[1], num_pages=1, page_size=16, kv_layout=pw.KvLayout.NHD, kv_heads_per_rank=1,
+        kv_heads_total=1, bytes_per_head=1, is_mla=True, aux_lens=[1], aux_item_lens=[1],
+        state_types=[pw.StateType.MAMBA] * comps,
+    )  # fmt: skip
+    return cv.RegisterSupplement(**{**given, **kw})  # type: ignore[arg-type]
+
+
+def test_converted_registrations_are_the_newest_model_the_runtime_uses() -> None:
+    from pdwire.runtime.session.registration import join_region_descs
+
+    mori = sglang.decode(_golden("mori", "MoriRegister", "empty_component"), "mori")
+    mori = msgspec.structs.replace(mori, aux_mem_descs=[b"aux-desc"], kv_layer_ids=np.empty(0, np.uint32))
+    sup = _supplement(
+        mori,
+        len(mori.state_item_lens),
+        agent_name="k",
+        state_region_lens=[[1] * len(x) for x in mori.state_item_lens],
+    )
+    info = cv.to_register_info(mori, sup)
+    assert type(info) is pw.RegisterInfo  # the newest model, not an older minor's
+    assert info.aux_mem_descs == [b"aux-desc"]  # a 1.2 field: no longer refused
+    assert pw.decode(pw.encode(info)) == info
+    join_region_descs(info)  # the runtime reads the newest fields of it
+    back = cv.from_register_info(
+        info, "mori", cv.RegisterExtras(engine_desc=mori.engine_desc, gpu_id=mori.gpu_id)
+    )
+    assert sglang.encode(back) == sglang.encode(mori)
+
+    nixl = sglang.decode(_golden("nixl", "NixlRegister", "normal"), "nixl")
+    staged = [np.arange(len(x), dtype=np.uint32) + 4 for x in nixl.state_item_lens]
+    nixl = msgspec.structs.replace(nixl, state_layer_ids=staged, kv_layer_ids=np.empty(0, np.uint32))
+    info = cv.to_register_info(nixl, _supplement(nixl, len(nixl.state_item_lens), is_mla=False))
+    assert [c.layer_ids.tolist() for c in info.state_components] == [x.tolist() for x in staged]  # 1.3
+    back = cv.from_register_info(info, "nixl", cv.RegisterExtras(gpu_id=nixl.gpu_id))
+    assert [x.tolist() for x in back.state_layer_ids] == [x.tolist() for x in staged]

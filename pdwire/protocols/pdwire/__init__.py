@@ -1,0 +1,1 @@
+"""pdwire's own protocol: the hand-written migration steps its generated codec calls."""
