@@ -11,12 +11,14 @@ from pdwire.runtime.planner.errors import (
     IndexListMismatch,
     IndexOutOfRange,
     MissingShardingInfo,
+    OverlappingDestination,
     PlanError,
     TopologyError,
     UnsupportedTransfer,
 )
 from pdwire.runtime.planner.kernel import check_unique_destinations
 from pdwire.runtime.planner.model import (
+    UNPLANNABLE_KINDS,
     AuxBuffer,
     HeadGeometry,
     Indexing,
@@ -24,15 +26,20 @@ from pdwire.runtime.planner.model import (
     Layout,
     RankMemory,
     RankPosition,
-    StateComponent,
     StateKind,
+    StatePool,
     StateTensor,
 )
+from pdwire.runtime.planner.model import (
+    StateComponent as StateComponent,  # the former name of StatePool (not in __all__)
+)
+from pdwire.runtime.planner.peer import has_tp_sharded_state
 from pdwire.runtime.planner.plan import GroupKind, PeerPlan, Plan, PlanGroup, prepare_peer
 from pdwire.runtime.planner.regions import RegionIndex, region_index, regions
 from pdwire.runtime.planner.routing import DecodeRoute, decode_ranks_of_prefill, heads_held, route_decode_rank
 
 __all__ = [
+    "UNPLANNABLE_KINDS",
     "AuxBuffer",
     "DecodeRoute",
     "DuplicateDestination",
@@ -45,6 +52,7 @@ __all__ = [
     "KvPool",
     "Layout",
     "MissingShardingInfo",
+    "OverlappingDestination",
     "PeerPlan",
     "Plan",
     "PlanError",
@@ -52,13 +60,14 @@ __all__ = [
     "RankMemory",
     "RankPosition",
     "RegionIndex",
-    "StateComponent",
     "StateKind",
+    "StatePool",
     "StateTensor",
     "TopologyError",
     "UnsupportedTransfer",
     "check_unique_destinations",
     "decode_ranks_of_prefill",
+    "has_tp_sharded_state",
     "heads_held",
     "prepare_peer",
     "region_index",

@@ -64,3 +64,8 @@ class IndexOutOfRange(PlanError):
 
 class DuplicateDestination(PlanError):
     """Two indices of one request target the same destination item: two writers would race."""
+
+
+class OverlappingDestination(DuplicateDestination):
+    """Two destination items of one request share bytes through registrations that alias (several
+    components, groups or tensors addressing the same memory)."""

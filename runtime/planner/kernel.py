@@ -18,8 +18,12 @@ IndexArray = npt.NDArray[np.integer] | Sequence[int]
 class BufferSet:
     """Tensor-layers (entries) that share one pattern: every entry copies the same relative rows.
 
-    Per entry: base address and region index on each side, and how many items fit in its region
-    on each side (bounds), plus the names used in error messages.
+    Per entry: the address of item 0 (registration base plus the tensor's offset inside an item)
+    and region index on each side, and how many items fit in its registration on each side
+    (bounds), plus the names used in error messages: ``tensors``/``layers`` name each entry,
+    ``src_limits``/``dst_limits`` the (tensor, layer) whose registration sets its capacity (an
+    entry fused from several tensors of one item is as long as its shortest member). Item ``i``
+    starts ``i * stride`` bytes after item 0 on each side.
     """
 
     component: str
@@ -32,6 +36,10 @@ class BufferSet:
     dst_regions: U32
     src_capacity: U64
     dst_capacity: U64
+    src_stride: int
+    dst_stride: int
+    src_limits: tuple[tuple[str, int], ...]
+    dst_limits: tuple[tuple[str, int], ...]
 
 
 def as_indices(values: IndexArray, *, component: str, side: str) -> U64:
@@ -99,22 +107,61 @@ def check_bounds(buffers: BufferSet, src: U64, dst: U64) -> None:
     """Every item addressed must lie inside its registered region on both sides."""
     if len(src) == 0:
         return
-    for side, indices, capacity in (
-        ("source", src, buffers.src_capacity),
-        ("destination", dst, buffers.dst_capacity),
+    for side, indices, capacity, limits in (
+        ("source", src, buffers.src_capacity, buffers.src_limits),
+        ("destination", dst, buffers.dst_capacity, buffers.dst_limits),
     ):
         highest = int(indices.max())
         bad = np.flatnonzero(capacity <= np.uint64(highest))
         if len(bad):
             entry = int(bad[0])
             limit = int(capacity[entry])
+            tensor, layer = limits[entry]
             raise IndexOutOfRange(
                 f"{side} index {highest} outside the registered region ({limit} items fit)",
                 component=buffers.component,
-                tensor=buffers.tensors[entry],
-                layer=buffers.layers[entry],
+                tensor=tensor,
+                layer=layer,
                 index=highest,
             )
+
+
+def check_destination_bounds(buffers: BufferSet, dst: U64, component: str) -> None:
+    """Every destination item must lie inside the peer's registered regions: checked once per
+    request, before any of it is planned (a request past the pools is refused whole)."""
+    if len(dst) == 0:
+        return
+    highest = int(dst.max())
+    bad = np.flatnonzero(buffers.dst_capacity <= np.uint64(highest))
+    if len(bad):
+        entry = int(bad[0])
+        tensor, layer = buffers.dst_limits[entry]
+        raise IndexOutOfRange(
+            f"destination index {highest} is past the registered pool "
+            f"({int(buffers.dst_capacity[entry])} items fit)",
+            component=component,
+            tensor=tensor,
+            layer=layer,
+            index=highest,
+        )
+
+
+def coalesce_table(table: DescriptorTable) -> DescriptorTable:
+    """Merge rows adjacent on both sides in the same regions, across entries: for a group whose
+    entries share registrations in ways a fused pattern cannot express. Destinations must be
+    disjoint (they are: ``PeerPlan.check_request``); sorted by destination, one pass is minimal."""
+    if len(table) < 2:
+        return table
+    order = np.argsort(table.dst_addr, kind="stable")
+    s, d, n = table.src_addr[order], table.dst_addr[order], table.length[order]
+    sr, dr = table.src_region[order], table.dst_region[order]
+    adjacent = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+    continues = adjacent & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
+    if not continues.any():
+        return table
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    lengths = np.add.reduceat(n, starts).astype(np.uint64, copy=False)
+    return DescriptorTable(s[starts], d[starts], lengths, sr[starts], dr[starts])
 
 
 def expand(buffers: BufferSet, src: U64, dst: U64) -> DescriptorTable:
@@ -127,8 +174,8 @@ def expand(buffers: BufferSet, src: U64, dst: U64) -> DescriptorTable:
     check_bounds(buffers, src, dst)
     if len(pattern) == 0:
         return DescriptorTable.empty()
-    rel_src = (src[:, None] * np.uint64(pattern.src_item) + pattern.src_off[None, :]).ravel()
-    rel_dst = (dst[:, None] * np.uint64(pattern.dst_item) + pattern.dst_off[None, :]).ravel()
+    rel_src = (src[:, None] * np.uint64(buffers.src_stride) + pattern.src_off[None, :]).ravel()
+    rel_dst = (dst[:, None] * np.uint64(buffers.dst_stride) + pattern.dst_off[None, :]).ravel()
     rel_len = np.tile(pattern.length, len(src))
     rel_src, rel_dst, rel_len = coalesce(rel_src, rel_dst, rel_len)
     rows = len(rel_src)

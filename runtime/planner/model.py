@@ -4,6 +4,17 @@ The prefill rank describes its own pools with these types; the decode rank's reg
 (``RegisterInfo`` on the wire) maps onto the very same types, field for field, so the planner
 never has to know which side a geometry came from. Addresses are Python ints (absolute virtual
 addresses, up to 2**64 - 1); nothing here computes anything.
+
+Every buffer (one KV layer's K or V, one state tensor-layer, one aux buffer) is a registered
+extent ``[base, base + region_len)`` holding items (pages, slots or rows) at a fixed stride:
+item ``i`` of a tensor occupies ``[base + offset + i * stride, + item_bytes)``. The stride
+defaults to the item size and the offset to 0, which is a packed array of items. A stride larger
+than the item and an offset inside it describe engines that put several tensors into one page
+or slot (vLLM: K and V interleaved per block, a Mamba layer's conv and SSM state in one page).
+
+Buffers whose extents overlap are one registration (``regions`` registers it once): several
+components, groups or tensors may address the same memory, as vLLM's KV cache groups do. Within
+one request no two destination items may overlap (``PeerPlan.check_request`` refuses them).
 """
 
 from __future__ import annotations
@@ -22,19 +33,50 @@ class Layout(StrEnum):
 
 
 class StateKind(StrEnum):
-    """What a state component is. Components are matched by position and must agree in kind."""
+    """What a state component is. Components are matched by position and must agree in kind.
+
+    The kind is a label both sides must agree on; how a component is addressed and split is its
+    ``Indexing`` and sharding, never inferred from the kind. The values are SGLang 0.5.23's
+    ``StateType`` values (plus ``nsa``, its earlier name of ``dsa``). ``dsa_tail`` is known so
+    that it can be refused by name: its request indices are a ring row plus two live segments of
+    it whose ring sizes may differ per side, not a list of items (``UNPLANNABLE_KINDS``).
+    """
 
     MAMBA = "mamba"
     SWA = "swa"
     DSA = "dsa"
     NSA = "nsa"
+    QSA_PENDING = "qsa_pending"
+    QSA_COMPRESSED = "qsa_compressed"
+    DSA_TAIL = "dsa_tail"
+    MINIMAX_INDEX_K = "minimax_index_k"
+    MINIMAX_DENSE_KV = "minimax_dense_kv"
+    SWA_RING = "swa_ring"
+    C128_STATE = "c128_state"
+    REQUEST_ROW = "request_row"
+    BLOCK_SCALE = "block_scale"
+    BLOCK_SCALE_SWA = "block_scale_swa"
+
+
+# Kinds whose request indices are not items of a tensor (slot, page or row): refused, never planned.
+UNPLANNABLE_KINDS: dict[StateKind, str] = {
+    StateKind.DSA_TAIL: (
+        "its request indices are (row, ring offset, count, ring offset, count, ring size) "
+        "tuples addressing live segments of a ring whose size may differ per side, not items"
+    ),
+}
 
 
 class Indexing(StrEnum):
-    """How a request addresses a state component."""
+    """How a request addresses a state component.
+
+    All three name whole items by index and are matched position by position; they differ in what
+    an index means and how many a request gives.
+    """
 
     SLOT = "slot"  # exactly one index per side (a Mamba slot)
     PAGE = "page"  # a list of page ids, one per page, equal lengths on both sides
+    ROW = "row"  # a list of rows (ring rows, request rows), matched by position, equal lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +97,17 @@ class KvPool:
     ``bytes_per_head`` is per token and head; for MLA it is the latent bytes per token and the head
     fields describe the single replicated latent (``kv_heads_per_rank == total_kv_heads == 1``).
     ``region_lens[l]`` is the registered length of layer l's K buffer and of its V buffer.
+
+    ``page_stride`` is the distance between two pages of one buffer (None: ``bytes_per_page``);
+    ``k_offset`` / ``v_offset`` are where K and V start inside a page stride. K and V interleaved
+    per block (vLLM's ``[blocks, 2, block_size, heads, head_size]``) is ``k_base_addrs ==
+    v_base_addrs``, ``page_stride = 2 * bytes_per_page``, ``v_offset = bytes_per_page``.
+
+    ``head_stride`` (HND only) is the distance from one head's K (or V) page to the next head's
+    inside a page stride (None: ``page_size * bytes_per_head``, heads packed). vLLM's CPU attention
+    ``[blocks, heads, block_size * 2, head_size]`` holds per head its K and then its V:
+    ``head_stride = 2 * page_size * bytes_per_head``, ``v_offset = page_size * bytes_per_head``,
+    ``page_stride = kv_heads_per_rank * head_stride``; a head slice is then one segment per head.
     """
 
     k_base_addrs: tuple[int, ...]
@@ -69,32 +122,83 @@ class KvPool:
     is_mla: bool = False
     memory_kind: MemoryKind = MemoryKind.VRAM
     device_id: int = 0
+    page_stride: int | None = None
+    k_offset: int = 0
+    v_offset: int = 0
+    head_stride: int | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.k_base_addrs)
 
+    @property
+    def stride(self) -> int:
+        return self.bytes_per_page if self.page_stride is None else self.page_stride
+
+    @property
+    def head_span(self) -> int:
+        """Bytes one head's part of a page uses: ``page_size * bytes_per_head``."""
+        return self.page_size * self.bytes_per_head
+
+    @property
+    def page_extent(self) -> int:
+        """Bytes from the first to the last byte of K (or V) in one page: ``bytes_per_page`` for
+        packed heads, more with a head stride (other bytes, e.g. V, lie between the heads)."""
+        if self.head_stride is None or self.is_mla:
+            return self.bytes_per_page
+        return (self.kv_heads_per_rank - 1) * self.head_stride + self.head_span
+
+    def head_windows(self, offset: int) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` inside a page stride of every head's part of K or V at ``offset``:
+        one window for packed heads."""
+        if self.head_stride is None or self.is_mla:
+            return ((offset, self.bytes_per_page),)
+        return tuple((offset + h * self.head_stride, self.head_span) for h in range(self.kv_heads_per_rank))
+
 
 @dataclass(frozen=True, slots=True)
 class HeadGeometry:
-    """Head sharding of a paged component laid out like KV (non-MLA SWA K and V)."""
+    """Head sharding of a paged component laid out like KV (non-MLA SWA K and V).
+
+    ``head_stride`` (HND only): bytes from one head's part of a page to the next head's; None:
+    ``page_size * bytes_per_head`` (heads packed)."""
 
     page_size: int
     layout: Layout
     kv_heads_per_rank: int
     total_kv_heads: int
     bytes_per_head: int
+    head_stride: int | None = None
+
+    @property
+    def item_extent(self) -> int:
+        """Bytes from the first to the last byte of one page's heads."""
+        span = self.page_size * self.bytes_per_head
+        if self.head_stride is None:
+            return self.kv_heads_per_rank * span
+        return (self.kv_heads_per_rank - 1) * self.head_stride + span
 
 
 @dataclass(frozen=True, slots=True)
 class StateTensor:
     """One tensor of a state component: per layer one buffer of equal-sized slots or pages.
 
-    ``sharded_axis_size`` is this rank's size of the TP-sharded axis (the first per-slot axis, so a
-    rank's share of a slot is ``bytes_per_slot`` split evenly along it). ``sub_block_sizes`` are the
-    FULL (unsharded) sizes of independently sharded sub-blocks concatenated on that axis, e.g. the
-    ``[q, k, v]`` conv channels of GDN; None means one block. Both None on a sharded tensor means the
-    sharding is unknown, which is refused when TP sizes differ.
+    A slot (``bytes_per_slot`` bytes used) is ``[outer_rows][axis][inner bytes]``: the TP-sharded
+    axis may be any per-slot axis, with ``outer_rows`` rows before it (the product of the axes in
+    front, 1 when it is the first) and ``inner = bytes_per_slot / (outer_rows * axis)`` bytes per
+    axis element after it. ``sharded_axis_size`` is this rank's length of that axis; each row holds
+    the rank's share of it. A GDN conv state ``[dim/TP, kernel-1]`` is ``outer_rows=1``; stored
+    transposed ``[kernel-1, dim/TP]`` (Kimi-Linear) it is ``outer_rows=kernel-1``, inner = one
+    element. ``sub_block_sizes`` are the FULL (unsharded) sizes of independently sharded sub-blocks
+    concatenated on that axis, e.g. the ``[q, k, v]`` conv channels of GDN; None means one block
+    (or, when only one side declares them, the other side's split). ``replicated`` marks a tensor
+    that holds identical bytes on every rank inside an axis-sharded component (SGLang's dim 0).
+    A sharded tensor with neither axis size nor ``replicated`` has unknown sharding, which is
+    refused when TP sizes differ.
+
+    ``slot_stride`` is the distance between two slots of one buffer (None: ``bytes_per_slot``) and
+    ``offset`` where this tensor starts inside a slot stride: tensors sharing one slot (vLLM's conv
+    and SSM state in one page) name the same base addresses with different offsets.
     """
 
     name: str
@@ -103,16 +207,27 @@ class StateTensor:
     bytes_per_slot: int
     sharded_axis_size: int | None = None
     sub_block_sizes: tuple[int, ...] | None = None
+    slot_stride: int | None = None
+    offset: int = 0
+    outer_rows: int = 1
+    replicated: bool = False
+
+    @property
+    def stride(self) -> int:
+        return self.bytes_per_slot if self.slot_stride is None else self.slot_stride
 
 
 @dataclass(frozen=True, slots=True)
-class StateComponent:
-    """One hybrid-state component (Mamba, SWA, DSA, ...), matched by position across sides.
+class StatePool:
+    """One hybrid-state component (Mamba, SWA, DSA, ...), matched by position across sides: the
+    memory of it. (The wire's ``StateComponent`` is the message that describes one to a peer;
+    this type was called ``StateComponent`` too, which the alias below keeps importable.)
 
     Sharding across TP is one of: ``replicated`` (every rank holds identical bytes: MLA SWA, DSA
     indexer), ``heads`` (paged K/V-like tensors sliced by KV head, non-MLA SWA), or per tensor
-    ``sharded_axis_size`` (Mamba). ``layer_ids`` are the global layer ids of the per-layer entries;
-    None means ``0 .. n-1``. A PP stage must pass them so that it lands on the right decode layers.
+    ``sharded_axis_size`` (Mamba; a tensor may be ``replicated`` on its own). ``layer_ids`` are the
+    global layer ids of the per-layer entries; None means ``0 .. n-1``. A PP stage must pass them
+    so that it lands on the right decode layers.
     """
 
     kind: StateKind
@@ -142,11 +257,14 @@ class AuxBuffer:
     bytes_per_item: int
 
 
+StateComponent = StatePool  # the former name; it collided with the wire message of that name
+
+
 @dataclass(frozen=True, slots=True)
 class RankMemory:
     """Everything one rank registers for transfers. Decode's registration maps onto this type."""
 
     position: RankPosition
     kv: KvPool | None = None
-    state: tuple[StateComponent, ...] = field(default=())
+    state: tuple[StatePool, ...] = field(default=())
     aux: tuple[AuxBuffer, ...] = field(default=())

@@ -75,9 +75,10 @@ def _head_offsets(geometry: HeadGeometry, tokens: U64, local_heads: U64) -> U64:
     bytes_per_head = np.uint64(geometry.bytes_per_head)
     if geometry.layout is Layout.NHD:
         units = tokens * np.uint64(geometry.kv_heads_per_rank) + local_heads
-    else:
-        units = local_heads * np.uint64(geometry.page_size) + tokens
-    return units * bytes_per_head
+        return units * bytes_per_head
+    if geometry.head_stride is not None:
+        return local_heads * np.uint64(geometry.head_stride) + tokens * bytes_per_head
+    return (local_heads * np.uint64(geometry.page_size) + tokens) * bytes_per_head
 
 
 def head_slice(
@@ -91,10 +92,10 @@ def head_slice(
     """Copy global heads ``[heads[0], heads[1])`` of every token of a page, each side in its layout.
 
     Enumerates (token, head) units and coalesces, so NHD gives one segment per token (one per page
-    when the heads cover whole tokens on both sides) and HND one per page, without special cases.
+    when the heads cover whole tokens on both sides) and HND one per page (one per head where a
+    side's heads are apart, ``head_stride``), without special cases.
     """
-    src_item = src.page_size * src.kv_heads_per_rank * src.bytes_per_head
-    dst_item = dst.page_size * dst.kv_heads_per_rank * dst.bytes_per_head
+    src_item, dst_item = src.item_extent, dst.item_extent
     lo, hi = heads
     if hi <= lo:
         return empty_pattern(src_item, dst_item)
@@ -119,24 +120,30 @@ def axis_slice(
     src_rank: int,
     dst_tp: int,
     dst_rank: int,
+    outer_rows: int = 1,
 ) -> Pattern:
     """Copy the overlap of two ranks' shards of an axis made of independently sharded sub-blocks.
 
-    ``block_sizes`` are full (unsharded) sizes; each rank's slot holds, per block in order, its
-    contiguous ``size / tp`` share. Every overlapping block gives one segment.
+    A slot is ``outer_rows`` rows, each one axis of ``unit_bytes`` elements. ``block_sizes`` are
+    full (unsharded) sizes; each rank's row holds, per block in order, its contiguous
+    ``size / tp`` share. Every overlapping block of every row gives one segment (segments that
+    meet on both sides merge, e.g. consecutive rows when a rank's share is the whole row).
     """
     src_rows: list[int] = []
     dst_rows: list[int] = []
     lengths: list[int] = []
-    src_block_start = dst_block_start = 0
-    for full in block_sizes:
-        src_share, dst_share = full // src_tp, full // dst_tp
-        src_lo, dst_lo = src_rank * src_share, dst_rank * dst_share
-        lo, hi = max(src_lo, dst_lo), min(src_lo + src_share, dst_lo + dst_share)
-        if hi > lo:
-            src_rows.append((src_block_start + lo - src_lo) * unit_bytes)
-            dst_rows.append((dst_block_start + lo - dst_lo) * unit_bytes)
-            lengths.append((hi - lo) * unit_bytes)
-        src_block_start += src_share
-        dst_block_start += dst_share
+    src_row = sum(full // src_tp for full in block_sizes) * unit_bytes
+    dst_row = sum(full // dst_tp for full in block_sizes) * unit_bytes
+    for row in range(outer_rows):
+        src_block_start = dst_block_start = 0
+        for full in block_sizes:
+            src_share, dst_share = full // src_tp, full // dst_tp
+            src_lo, dst_lo = src_rank * src_share, dst_rank * dst_share
+            lo, hi = max(src_lo, dst_lo), min(src_lo + src_share, dst_lo + dst_share)
+            if hi > lo:
+                src_rows.append(row * src_row + (src_block_start + lo - src_lo) * unit_bytes)
+                dst_rows.append(row * dst_row + (dst_block_start + lo - dst_lo) * unit_bytes)
+                lengths.append((hi - lo) * unit_bytes)
+            src_block_start += src_share
+            dst_block_start += dst_share
     return Pattern.from_rows(src_rows, dst_rows, lengths, src_item, dst_item)

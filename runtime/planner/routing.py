@@ -51,7 +51,8 @@ class DecodeRoute:
     """What one decode TP rank does for one request.
 
     ``prefill_ranks``: prefill TP ranks it contacts (in every prefill PP stage when decode PP is 1).
-    ``dummy_prefill_ranks``: the subset that transfers nothing (MLA with P > D) but must still be told,
+    ``dummy_prefill_ranks``: the subset that transfers nothing (MLA with P > D and no TP-sharded
+    state: the latent and replicated state come from the first rank of the group) but must still be told,
     explicitly, so that its request state advances. ``required_dst_info_num``: how many decode ranks
     each contacted prefill rank waits for before it starts. ``expected_responses``: completions
     decode waits for (one per non-dummy sender, per prefill PP stage).
@@ -74,7 +75,13 @@ def route_decode_rank(
     prefill_pp: int = 1,
     decode_pp: int = 1,
     decode_pp_rank: int = 0,
+    sharded_state: bool = False,
 ) -> DecodeRoute:
+    """The route of one decode rank. ``sharded_state``: the model has TP-sharded state (Mamba
+    conv/temporal, head-sharded components; ``has_tp_sharded_state(memory)``). With MLA and
+    P > D every prefill rank of a group then writes its own state shard, so none is a dummy
+    and decode waits for all of them; the replicated latent still comes from the first rank
+    alone. Both sides must pass the same value (it is a property of the model)."""
     check_tp_sizes(prefill_tp, decode_tp)
     if not 0 <= decode_rank < decode_tp:
         raise TopologyError(f"decode TP rank {decode_rank} outside TP size {decode_tp}")
@@ -86,7 +93,9 @@ def route_decode_rank(
     if prefill_tp > decode_tp:
         fan_in = prefill_tp // decode_tp
         ranks = tuple(range(decode_rank * fan_in, (decode_rank + 1) * fan_in))
-        dummies = ranks[1:] if is_mla else ()
-        return DecodeRoute(decode_rank, ranks, dummies, 1, (1 if is_mla else fan_in) * len(stages), stages)
+        one_writer = is_mla and not sharded_state
+        dummies = ranks[1:] if one_writer else ()
+        responses = (1 if one_writer else fan_in) * len(stages)
+        return DecodeRoute(decode_rank, ranks, dummies, 1, responses, stages)
     fan_out = decode_tp // prefill_tp
     return DecodeRoute(decode_rank, (decode_rank // fan_out,), (), fan_out, len(stages), stages)

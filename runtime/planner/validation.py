@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from pdwire.runtime.planner.errors import GeometryMismatch, PlanError, TopologyError
-from pdwire.runtime.planner.model import HeadGeometry, Indexing, RankMemory
+import itertools
+
+from pdwire.runtime.planner.errors import GeometryMismatch, PlanError, TopologyError, UnsupportedTransfer
+from pdwire.runtime.planner.model import UNPLANNABLE_KINDS, HeadGeometry, Indexing, KvPool, Layout, RankMemory
 
 U64_LIMIT = 1 << 64
 
@@ -31,6 +33,39 @@ def _check_buffers(
             )
 
 
+def _check_item_placement(
+    side: str, component: str, tensor: str, item: int, stride: int, offset: int
+) -> None:
+    """An item lies inside its stride: ``offset + item <= stride`` (both non-negative)."""
+    if stride < 1 or offset < 0 or offset + item > stride:
+        raise GeometryMismatch(
+            f"{side}: an item of {item} bytes at offset {offset} does not fit a stride of {stride} bytes",
+            component=component,
+            tensor=tensor,
+        )
+
+
+def _check_disjoint_in_item(
+    side: str, component: str, members: list[tuple[str, tuple[int, ...], int, int, int]]
+) -> None:
+    """Tensors of one index space on the same buffers (same bases, same stride) must not claim the
+    same bytes of one item: ``members`` are (name, bases, stride, offset, item)."""
+    placed: dict[tuple[tuple[int, ...], int], list[tuple[int, int, str]]] = {}
+    for name, bases, stride, offset, item in members:
+        if not bases:
+            continue
+        placed.setdefault((bases, stride), []).append((offset, offset + item, name))
+    for windows in placed.values():
+        windows.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(windows):
+            if start < end:
+                raise GeometryMismatch(
+                    f"{side}: {first} and {second} overlap inside one item of the same buffer",
+                    component=component,
+                    tensor=second,
+                )
+
+
 def check_head_geometry(side: str, component: str, geometry: HeadGeometry, tp_size: int, item: int) -> None:
     for name in ("page_size", "kv_heads_per_rank", "total_kv_heads", "bytes_per_head"):
         if getattr(geometry, name) < 1:
@@ -55,6 +90,23 @@ def check_head_geometry(side: str, component: str, geometry: HeadGeometry, tp_si
         )
 
 
+def _check_head_stride(side: str, kv: KvPool) -> None:
+    """A head stride places head-major pages (HND) apart: at least one head's page per stride."""
+    if kv.head_stride is None:
+        return
+    if kv.layout is not Layout.HND:
+        raise GeometryMismatch(
+            f"{side}: a head stride needs head-major pages (HND), the layout is {kv.layout.value}",
+            component="kv",
+        )
+    if kv.head_stride < kv.head_span:
+        raise GeometryMismatch(
+            f"{side}: head stride {kv.head_stride} is smaller than one head's page "
+            f"(page_size*bytes_per_head = {kv.head_span})",
+            component="kv",
+        )
+
+
 def validate_memory(memory: RankMemory, side: str) -> None:
     """Raise a PlanError if ``memory`` contradicts itself; say nothing about the peer."""
     pos = memory.position
@@ -70,18 +122,45 @@ def validate_memory(memory: RankMemory, side: str) -> None:
                 raise GeometryMismatch(
                     f"{side}: an MLA pool has one latent buffer per layer, no V", component="kv"
                 )
+            if kv.head_stride is not None:
+                raise GeometryMismatch(f"{side}: an MLA pool has no head stride", component="kv")
         else:
             _check_buffers(side, "kv", "v", kv.v_base_addrs, kv.region_lens, kv.bytes_per_page)
             geometry = HeadGeometry(
                 kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head
             )
             check_head_geometry(side, "kv", geometry, pos.tp_size, kv.bytes_per_page)
+            _check_head_stride(side, kv)
         if kv.page_size < 1:
             raise GeometryMismatch(f"{side}: page_size must be >= 1", component="kv")
+        _check_item_placement(side, "kv", "k", kv.page_extent, kv.stride, kv.k_offset)
+        halves = [("k", kv.k_base_addrs, kv.k_offset)]
+        if not kv.is_mla:
+            _check_item_placement(side, "kv", "v", kv.page_extent, kv.stride, kv.v_offset)
+            halves.append(("v", kv.v_base_addrs, kv.v_offset))
+        elif kv.v_offset:
+            raise GeometryMismatch(f"{side}: an MLA pool has no V offset", component="kv")
+        # per head with a head stride: K and V of one page may interleave, never share a byte
+        members = [
+            (name if len(windows) == 1 else f"{name} head {h}", bases, kv.stride, start, length)
+            for name, bases, offset in halves
+            for windows in (kv.head_windows(offset),)
+            for h, (start, length) in enumerate(windows)
+        ]
+        _check_disjoint_in_item(side, "kv", members)
     for ci, component in enumerate(memory.state):
         name = f"state[{ci}]:{component.kind.value}"
         if not component.tensors:
             raise GeometryMismatch(f"{side}: a state component needs at least one tensor", component=name)
+        if component.kind in UNPLANNABLE_KINDS:
+            raise UnsupportedTransfer(
+                f"{side}: state kind {component.kind.value} cannot be planned: "
+                f"{UNPLANNABLE_KINDS[component.kind]}",
+                component=name,
+            )
+        names = [tensor.name for tensor in component.tensors]
+        if len(set(names)) != len(names):
+            raise GeometryMismatch(f"{side}: tensor names repeat: {names}", component=name)
         layers = component.num_layers
         if component.layer_ids is None and pos.pp_size > 1:
             # None means layers 0..n-1, which is wrong for every stage but the first and
@@ -117,11 +196,32 @@ def validate_memory(memory: RankMemory, side: str) -> None:
                 )
             if component.heads is not None:
                 check_head_geometry(side, name, component.heads, pos.tp_size, tensor.bytes_per_slot)
+            _check_item_placement(
+                side, name, tensor.name, tensor.bytes_per_slot, tensor.stride, tensor.offset
+            )
             axis = tensor.sharded_axis_size
-            if axis is not None and (axis < 1 or tensor.bytes_per_slot % axis):
+            if tensor.outer_rows < 1:
                 raise GeometryMismatch(
-                    f"{side}: bytes_per_slot {tensor.bytes_per_slot} is not a multiple of "
-                    f"sharded_axis_size {axis}",
+                    f"{side}: outer_rows must be >= 1, got {tensor.outer_rows}",
+                    component=name,
+                    tensor=tensor.name,
+                )
+            if axis is not None and (axis < 1 or tensor.bytes_per_slot % (axis * tensor.outer_rows)):
+                raise GeometryMismatch(
+                    f"{side}: bytes_per_slot {tensor.bytes_per_slot} is not outer_rows {tensor.outer_rows} "
+                    f"x sharded_axis_size {axis} x whole bytes per element",
+                    component=name,
+                    tensor=tensor.name,
+                )
+            if axis is None and tensor.outer_rows != 1:
+                raise GeometryMismatch(
+                    f"{side}: outer_rows {tensor.outer_rows} without a sharded axis",
+                    component=name,
+                    tensor=tensor.name,
+                )
+            if tensor.replicated and axis is not None:
+                raise GeometryMismatch(
+                    f"{side}: a tensor is either replicated or sharded along an axis, not both",
                     component=name,
                     tensor=tensor.name,
                 )
@@ -130,5 +230,10 @@ def validate_memory(memory: RankMemory, side: str) -> None:
                 raise GeometryMismatch(
                     f"{side}: sub_block_sizes must be positive", component=name, tensor=tensor.name
                 )
+        _check_disjoint_in_item(
+            side,
+            name,
+            [(t.name, t.base_addrs, t.stride, t.offset, t.bytes_per_slot) for t in component.tensors],
+        )
     for aux in memory.aux:
         _check_buffers(side, "aux", aux.name, (aux.base_addr,), (aux.region_len,), aux.bytes_per_item)

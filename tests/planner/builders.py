@@ -10,8 +10,8 @@ from pdwire.runtime.planner import (
     Layout,
     RankMemory,
     RankPosition,
-    StateComponent,
     StateKind,
+    StatePool,
     StateTensor,
 )
 
@@ -57,7 +57,7 @@ def mamba(
     base: int = 1 << 40,
     slots: int = 4,
     declare_axis: bool = True,
-) -> StateComponent:
+) -> StatePool:
     axis = sum(blocks) // tp
     conv = StateTensor(
         "conv",
@@ -67,7 +67,7 @@ def mamba(
         axis if declare_axis else None,
         blocks if declare_axis else None,
     )
-    return StateComponent(StateKind.MAMBA, Indexing.SLOT, (conv,))
+    return StatePool(StateKind.MAMBA, Indexing.SLOT, (conv,))
 
 
 def paged(
@@ -78,15 +78,15 @@ def paged(
     pages: int = 8,
     base: int = 1 << 41,
     replicated: bool = False,
-) -> StateComponent:
+) -> StatePool:
     tensor = StateTensor(
         "t", tuple(base + i * LAYER_STRIDE for i in range(layers)), (item * pages,) * layers, item
     )
-    return StateComponent(kind, Indexing.PAGE, (tensor,), replicated=replicated)
+    return StatePool(kind, Indexing.PAGE, (tensor,), replicated=replicated)
 
 
 def rank(
-    tp: int, tp_rank: int, kv: KvPool | None = None, state: tuple[StateComponent, ...] = (), **position: int
+    tp: int, tp_rank: int, kv: KvPool | None = None, state: tuple[StatePool, ...] = (), **position: int
 ) -> RankMemory:
     return RankMemory(RankPosition(tp, tp_rank, **position), kv, state)
 

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from hypothesis import given
 
-from tests.planner.strategies import ORACLE, kv_worlds, pp_worlds, state_worlds
+from tests.planner.strategies import (
+    ORACLE,
+    head_interleaved_kv_worlds,
+    hybrid_worlds,
+    kv_worlds,
+    laid_out_kv_worlds,
+    laid_out_state_worlds,
+    pp_worlds,
+    state_worlds,
+)
 from tests.planner.world import World, run_world
 
 
@@ -44,4 +53,28 @@ def test_swa_and_dsa_pages(world: World) -> None:
 @ORACLE
 @given(pp_worlds())
 def test_pipeline_stages_land_on_their_layers(world: World) -> None:
+    run_world(world)
+
+
+@ORACLE
+@given(laid_out_kv_worlds())
+def test_kv_in_strided_and_interleaved_pages(world: World) -> None:
+    run_world(world)
+
+
+@ORACLE
+@given(head_interleaved_kv_worlds())
+def test_kv_heads_apart_in_a_page_head_stride(world: World) -> None:
+    run_world(world)
+
+
+@ORACLE
+@given(laid_out_state_worlds())
+def test_state_in_strided_slots_and_shared_items(world: World) -> None:
+    run_world(world)
+
+
+@ORACLE
+@given(hybrid_worlds())
+def test_hybrid_any_axis_aliased_groups_and_every_carried_kind(world: World) -> None:
     run_world(world)

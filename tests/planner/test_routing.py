@@ -20,11 +20,15 @@ from tests.planner.world import oracle_heads
         (4, 2, False, {0: ((0, 1), (), 1, 2), 1: ((2, 3), (), 1, 2)}),
         (4, 2, True, {0: ((0, 1), (1,), 1, 1), 1: ((2, 3), (3,), 1, 1)}),
         (8, 1, True, {0: (tuple(range(8)), tuple(range(1, 8)), 1, 1)}),
+        # MLA with TP-sharded state (a Mamba component): no dummies, every rank answers
+        (4, 2, "mla+state", {0: ((0, 1), (), 1, 2), 1: ((2, 3), (), 1, 2)}),
+        (2, 4, "mla+state", {0: ((0,), (), 2, 1), 3: ((1,), (), 2, 1)}),
     ],
 )
-def test_route_table_of_the_protocol(prefill: int, decode: int, is_mla: bool, expected: dict) -> None:
+def test_route_table_of_the_protocol(prefill: int, decode: int, is_mla: bool | str, expected: dict) -> None:
     for rank, (ranks, dummies, dst_info, responses) in expected.items():
-        route = route_decode_rank(prefill, decode, rank, is_mla=is_mla)
+        sharded = is_mla == "mla+state"
+        route = route_decode_rank(prefill, decode, rank, is_mla=bool(is_mla), sharded_state=sharded)
         assert (route.prefill_ranks, route.dummy_prefill_ranks) == (ranks, dummies)
         assert (route.required_dst_info_num, route.expected_responses) == (dst_info, responses)
 
@@ -42,17 +46,18 @@ def test_replicated_heads_use_division_not_modulo(heads: int, tp: int, expected:
     assert [heads_held(tp, rank, heads) for rank in range(tp)] == expected
 
 
-@given(prefill=TP, decode=TP, heads=HEADS, is_mla=st.booleans(), pp=st.integers(1, 3))
+@given(prefill=TP, decode=TP, heads=HEADS, is_mla=st.booleans(), pp=st.integers(1, 3), sharded=st.booleans())
 def test_every_decode_head_has_a_contacted_writer(
-    prefill: int, decode: int, heads: int, is_mla: bool, pp: int
+    prefill: int, decode: int, heads: int, is_mla: bool, pp: int, sharded: bool
 ) -> None:
     for d in range(decode):
-        route = route_decode_rank(prefill, decode, d, is_mla=is_mla, prefill_pp=pp)
+        route = route_decode_rank(prefill, decode, d, is_mla=is_mla, prefill_pp=pp, sharded_state=sharded)
         needed = set(oracle_heads(decode, d, heads).tolist())
         held = set().union(*(oracle_heads(prefill, p, heads).tolist() for p in route.prefill_ranks))
         assert needed <= held
         real = [p for p in route.prefill_ranks if p not in route.dummy_prefill_ranks]
-        assert len(real) == (1 if is_mla or prefill <= decode else prefill // decode)
+        # MLA: one writer of the latent, unless TP-sharded state needs every rank's shard
+        assert len(real) == (1 if (is_mla and not sharded) or prefill <= decode else prefill // decode)
         assert route.expected_responses == len(real) * pp
         assert route.prefill_pp_stages == tuple(range(pp))
         for p in route.prefill_ranks:

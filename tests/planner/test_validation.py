@@ -16,7 +16,6 @@ from pdwire.runtime.planner import (
     PlanError,
     StateKind,
     TopologyError,
-    UnsupportedTransfer,
     prepare_peer,
 )
 
@@ -114,20 +113,24 @@ def test_sub_blocks_must_shard_evenly_and_agree() -> None:
 
 
 @pytest.mark.parametrize("undeclared", ["prefill", "decode"])
-def test_a_sub_block_split_declared_on_one_side_only_is_refused(undeclared: str) -> None:
-    # None means one block: q|k|v on one side against one run on the other puts each rank's
-    # share at different offsets, so neither side's split may be assumed for the other
+def test_a_sub_block_split_declared_on_one_side_only_is_taken_from_that_side(undeclared: str) -> None:
+    # both sides hold the same model (the handshake checks the fingerprint); SGLang's decode
+    # never declares the conv split, so the declaring side's split is the model's
     def conv(tp: int, declared: bool, blocks: tuple[int, ...] = (8, 8, 16)):  # type: ignore[no-untyped-def]
         comp = mamba(tp, blocks=blocks)
         tensor = comp.tensors[0] if declared else replace(comp.tensors[0], sub_block_sizes=None)
         return replace(comp, tensors=(tensor,))
 
     src = rank(1, 0, state=(conv(1, undeclared != "prefill"),))
-    dst = rank(2, 0, state=(conv(2, undeclared != "decode"),))
+    dst = rank(2, 1, state=(conv(2, undeclared != "decode"),))
+    both = prepare_peer(rank(1, 0, state=(conv(1, True),)), rank(2, 1, state=(conv(2, True),)))
+    one = prepare_peer(src, dst)
+    tables = [p.plan_state([[1]], [[2]])[0].table for p in (both, one)]
+    assert len(tables[0]) == 3 * 2  # q, k and v shares of decode rank 1, two layers
+    for name in ("src_addr", "dst_addr", "length"):
+        assert getattr(tables[0], name).tolist() == getattr(tables[1], name).tolist()
     with pytest.raises(GeometryMismatch, match=r"sub-block sizes differ: prefill \(.*\), decode \(.*\)"):
-        prepare_peer(src, dst)
-    # one declared block is the same as none
-    prepare_peer(rank(1, 0, state=(conv(1, True, (32,)),)), rank(2, 0, state=(conv(2, False, (32,)),)))
+        prepare_peer(rank(1, 0, state=(conv(1, True),)), rank(2, 0, state=(conv(2, True, (8, 16, 8)),)))
 
 
 @pytest.mark.parametrize(
@@ -192,10 +195,15 @@ def test_component_lists_must_match_by_kind_and_count() -> None:
         prepare_peer(rank(1, 0, state=(mamba(1),)), rank(1, 0, state=(mamba(1), paged(StateKind.DSA))))
 
 
-def test_mla_dummy_with_sharded_state_is_unsupported() -> None:
+def test_mla_with_sharded_state_and_larger_prefill_tp_writes_state_from_every_rank() -> None:
+    # the latent is replicated (first rank of the group writes it), the Mamba state is not: rank 1
+    # is no dummy, writes its conv shard and no KV
     src = rank(4, 1, kv_pool(4, is_mla=True), (mamba(4),))
-    with pytest.raises(UnsupportedTransfer):
-        prepare_peer(src, rank(2, 0, kv_pool(2, is_mla=True, base=1 << 44), (mamba(2),)))
+    plan = prepare_peer(src, rank(2, 0, kv_pool(2, is_mla=True, base=1 << 44), (mamba(2),)))
+    assert not plan.is_dummy and plan.route.dummy_prefill_ranks == () and plan.route.expected_responses == 2
+    assert len(plan.plan_kv_chunk(0, [0, 1], [2, 3]).table) == 0
+    assert len(plan.plan_state([[0]], [[1]])[0].table) == 3 * 2  # q, k, v shares of 2 layers
+    assert not plan.writes_aux
 
 
 def test_dummy_and_non_writer_plans_are_empty_but_complete() -> None:
@@ -235,3 +243,20 @@ def test_descriptor_table_checks_detect_mergeable_and_outside_rows() -> None:
         np.zeros(1, dtype=u32),
     )
     assert high.rows_outside([Region(top, 1000)], [Region(top, 999)]).tolist() == [0]
+
+
+def test_a_request_past_the_registered_pools_is_refused_whole_before_planning() -> None:
+    # refused by check_request (at request time, before a chunk exists), naming the component
+    plan = prepare_peer(
+        rank(1, 0, kv_pool(1, pages=16), state=(mamba(1, slots=4),)),
+        rank(1, 0, kv_pool(1, pages=4, base=1 << 44), state=(mamba(1, slots=2),)),
+    )
+    plan.check_request([0, 3], [[1]])
+    with pytest.raises(IndexOutOfRange, match="destination index 4 is past the registered pool") as caught:
+        plan.check_request([0, 4], [[1]])
+    assert caught.value.component == "kv"
+    with pytest.raises(IndexOutOfRange, match="destination index 2") as caught:
+        plan.check_request([0, 1], [[2]])
+    assert caught.value.component == "state[0]:mamba"
+    with pytest.raises(IndexOutOfRange, match="destination index 4294967296"):
+        plan.check_request(np.array([2**32], dtype=np.int64), [[1]])
