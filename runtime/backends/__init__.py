@@ -1,23 +1,27 @@
-"""Transfer backends: one interface (:mod:`.base`), engines chosen by name (:mod:`.registry`)."""
+"""Transfer backends: one contract (:mod:`.contract`; errors, values and the metadata envelope
+beside it), engines chosen by name (:mod:`.registry`)."""
 
-from pdwire.runtime.backends.base import (
-    Backend,
+from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.errors import (
     BackendClosed,
     BackendError,
     BackendUnavailable,
     DescriptorError,
-    HostBuffer,
-    Notification,
-    Peer,
     PeerError,
-    PeerMetadata,
     RegistrationError,
     TransferError,
-    TransferHandle,
-    TransferState,
-    TransferStatus,
 )
 from pdwire.runtime.backends.registry import available_backends, create_backend, default_backend
+from pdwire.runtime.backends.values import (
+    EngineNotification,
+    HostBuffer,
+    Peer,
+    PeerMetadata,
+    PollResult,
+    Revocation,
+    TransferHandle,
+    TransferState,
+)
 
 __all__ = [
     "Backend",
@@ -25,16 +29,17 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "DescriptorError",
+    "EngineNotification",
     "HostBuffer",
-    "Notification",
     "Peer",
     "PeerError",
     "PeerMetadata",
+    "PollResult",
     "RegistrationError",
+    "Revocation",
     "TransferError",
     "TransferHandle",
     "TransferState",
-    "TransferStatus",
     "available_backends",
     "create_backend",
     "default_backend",

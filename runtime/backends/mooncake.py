@@ -2,52 +2,77 @@
 
 Mapping onto Mooncake
 ---------------------
-* The engine is ``initialize(hostname, "P2PHANDSHAKE", "tcp", "")``; its peers know it
-  as ``"<hostname>:<rpc port>"`` (carried in the metadata envelope). Only hand peers
-  127.0.0.1 on a single host: Mooncake's listeners bind every interface.
+* The engine is ``initialize(hostname, "P2PHANDSHAKE", protocol, device_name)``; its peers
+  know it as ``"<hostname>:<rpc port>"`` (carried in the metadata envelope), so ``hostname``
+  (a backend option) is the address this engine *advertises*: across hosts it must be one the
+  peers reach (the default 127.0.0.1 serves one host). Mooncake's listeners bind every
+  interface whatever it says. Adding a peer connects to its session and checks that the
+  engine answering there holds the peer's memory, so a wrong advertised address fails at the
+  handshake with a :class:`PeerError` naming it, not at the first write.
 * ``register`` -> ``register_memory(addr, len)`` per region (DRAM; this wheel has no CUDA).
-* ``post`` queues one job on a worker thread (Mooncake's calls block: even
-  ``get_batch_transfer_status`` waits for the batch here). The job writes the rows in
-  chunks of at most ``max_batch`` descriptors — Mooncake's TCP lane rejects batches
-  over ~2,048 queued descriptors per peer ("queue-full") — with
-  ``batch_transfer_sync_write``, and the *last* chunk with
+* ``post`` queues one job on the peer's workers (Mooncake's calls block: even
+  ``get_batch_transfer_status`` waits for the batch). Each peer has ``threads_per_peer``
+  worker threads (default 2), so a slow peer never holds up another and a peer's transfers
+  overlap their waits. The job writes the rows in chunks of at most ``max_batch``
+  descriptors with ``batch_transfer_sync_write``, and the *last* chunk with
   ``batch_transfer_sync(..., Write, TransferNotify(agent_name, payload))``: the engine
   hands the notification to the target after that batch's data, and the earlier chunks
   completed before it was issued, so a received notification means every byte landed.
+  Mooncake's TCP transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``
+  descriptors per peer (1024, plus as many waiting for admission) and fails a batch past
+  that ("queue-full"): the backend raises that default to ``threads_per_peer * max_batch``
+  unless the variable is set.
 * ``TransferNotify.msg`` is a ``str`` that crosses the wire as UTF-8; arbitrary payload
   bytes are carried losslessly by mapping each byte to one code point (latin-1).
-* A dead peer: the write fails fast (connection refused / broken pipe, rc < 0) and the
-  transfer is FAILED. A hung peer blocks the worker inside the engine until Mooncake's
-  own timeout (``MC_TRANSFER_TIMEOUT``): at pdwire's ``transfer_timeout_s`` the transfer
-  is cancelled, but Mooncake cannot stop a chunk in flight, so it is reported FAILED only
-  once that chunk returned (later jobs wait behind it).
+* Timeouts: ``transfer_timeout_s`` counts from when a worker started the job, not from the
+  post (a job queued behind others is not timed; cancelling skips it). A dead peer: the
+  write fails fast (connection refused / broken pipe, rc < 0) and the transfer is FAILED. A
+  hung peer (or a cut link) blocks the worker inside the engine until Mooncake's own
+  timeout ("no transfer progress within 30s; dropping connection"): at
+  ``transfer_timeout_s`` the transfer is cancelled, but Mooncake cannot stop a chunk in
+  flight, so it is reported FAILED only once that chunk returned.
 * Cancelling raises the job's flag and returns: a queued job is skipped, a running one
   stops before its next chunk.
+
+What a FAILED from Mooncake does *not* mean: that its writes stopped. After a link cut,
+Mooncake reported the chunk failed at 30 s and still wrote 0.5-1.6 MB into the target once
+the link came back (the bytes its closed connection had left in the kernel's send buffer,
+received by the target's still-open session). ``final_states_fence`` is therefore False:
+a target must revoke a Mooncake initiator (:meth:`~.contract.Backend.revoke`) instead of
+taking its failure report as a fence. Revocation works here (see :mod:`.window`): Mooncake's
+TCP server checks a request's address against its registrations when it reads the request's
+header, so stale requests are refused once the window is deregistered, and a body it is
+already receiving lands in the junk pages the window is remapped to. See ``docs/fencing.md``.
+
+Mooncake sends a batch's ``TransferNotify`` after the batch's bytes landed; when that send
+fails (the link is down at that moment) it logs "Failed to send notify message" and still
+reports the batch done. ``notifications_reliable`` is therefore False: a decode rank takes a
+sender's Success status (sent over the control plane once every write of the room completed)
+as proof of its parts, so a lost notification does not fail a room whose bytes arrived.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from pdwire.runtime.backends.base import (
+from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.errors import BackendUnavailable, PeerError, RegistrationError, TransferError
+from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
+from pdwire.runtime.backends.support import batches
+from pdwire.runtime.backends.values import (
     DONE,
-    Backend,
-    BackendUnavailable,
+    EngineNotification,
     HostBuffer,
-    Notification,
     Peer,
-    PeerError,
     PeerMetadata,
-    RegistrationError,
-    TransferError,
+    PollResult,
     TransferHandle,
-    TransferStatus,
-    aligned_zeros,
-    batches,
-    decode_envelope,
-    encode_envelope,
     failed,
 )
+from pdwire.runtime.backends.wakeup import Waker
 from pdwire.runtime.backends.worker import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
@@ -60,8 +85,28 @@ def _from_msg(msg: str) -> bytes:
     return msg.encode("latin-1")
 
 
+@dataclass(eq=False)
+class _Remote:
+    session: str  # "<host>:<rpc port>", Mooncake's name for the peer
+    worker: JobWorker
+
+
 class MooncakeBackend(JobTransfers, Backend):
     name = "mooncake"
+    final_states_fence = False  # measured: writes land after a FAILED (see the module notes)
+    notifications_reliable = False  # a notify it cannot send (link down) is logged, the batch reported done
+    wakes_on_completion = True  # batches run on our job threads, which wake the owner (notifications do not)
+
+    OPTION_DOCS: ClassVar[dict[str, str]] = {
+        "hostname": "the address peers reach this engine at; Mooncake advertises it (its listeners "
+        "bind every interface whatever it says); 127.0.0.1 serves one host only",
+        "protocol": "Mooncake transport: tcp (this wheel) or rdma",
+        "device_name": "RDMA devices for protocol rdma (e.g. mlx5_0,mlx5_1); empty: Mooncake picks",
+        "max_batch": "descriptors per Mooncake batch (1..2048: its TCP queue refuses more)",
+        "connect_timeout_s": "how long adding a peer may wait to reach its advertised session",
+        "threads_per_peer": "worker threads per peer: transfers to one peer run side by side, "
+        "and a stuck peer holds up no other",
+    }
 
     def __init__(
         self,
@@ -69,40 +114,68 @@ class MooncakeBackend(JobTransfers, Backend):
         transfer_timeout_s: float = 30.0,
         hostname: str = "127.0.0.1",
         max_batch: int = 1024,
+        protocol: str = "tcp",
+        device_name: str = "",
+        connect_timeout_s: float = 5.0,
+        threads_per_peer: int = 2,
     ) -> None:
         super().__init__(agent_name, transfer_timeout_s)
-        from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
-
         if not 0 < max_batch <= 2048:
             raise TransferError(f"max_batch must be in 1..2048 (Mooncake's TCP queue limit), got {max_batch}")
+        if threads_per_peer < 1:
+            raise TransferError(f"threads_per_peer must be at least 1, got {threads_per_peer}")
+        # Read by Mooncake's TCP transport when the engine is created: room for every worker's chunk.
+        queued = min(65535, threads_per_peer * max_batch)
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(queued))
+        from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+
         self.max_batch = max_batch
+        self.threads_per_peer = threads_per_peer
         self._notify_cls = TransferNotify
         self._write_op = TransferOpcode.Write
         self._engine = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
+        self.connect_timeout_s = connect_timeout_s
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise BackendUnavailable(
-                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, tcp) -> {rc}"
+                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol}, "
+                f"{device_name!r}) -> {rc}"
             )
         self.session_name = f"{hostname}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._buffers: list[HostBuffer] = []
-        self._worker = JobWorker(f"pdwire-mooncake-{self.agent_name}")
+        self._workers: list[JobWorker] = []  # every peer's, stopped at close
+        self._waker = Waker()
 
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
-        buf = HostBuffer(name, aligned_zeros(nbytes))
-        self._buffers.append(buf)
-        return buf
+        return self._shared_buffer(name, nbytes)
 
     def _register(self, regions: list[Region]) -> None:
+        self._registered.extend(self._register_bases(regions))
+
+    def _register_bases(self, regions: list[Region]) -> list[int]:
+        done: list[int] = []
         for r in regions:
             rc = self._engine.register_memory(r.base, r.length)
             if rc != 0:
+                for base in done:  # all or nothing
+                    self._engine.unregister_memory(base)
                 raise RegistrationError(f"Mooncake register_memory({r.name!r}, {r.length} bytes) -> {rc}")
-            self._registered.append(r.base)
+            done.append(r.base)
+        return done
 
-    def _local_metadata(self) -> PeerMetadata:
-        env = encode_envelope(self.name, self.agent_name, self.regions, self.session_name.encode())
+    def _register_window(self, regions: list[Region]) -> Any:
+        return self._register_bases(regions)
+
+    def _unregister_window(self, token: Any) -> None:
+        # From now on Mooncake's server refuses requests naming the window (it checks each
+        # request's address when it reads the header); a body it is already receiving lands
+        # in the junk pages the window is remapped to next.
+        for base in token:
+            self._engine.unregister_memory(base)
+
+    def _local_metadata(self, window: list[int] | None) -> PeerMetadata:
+        extra = {"window": window} if window else None
+        env = encode_envelope(self.name, self.agent_name, self.regions, self.session_name.encode(), extra)
         return PeerMetadata(self.agent_name, env)
 
     def _add_peer(self, metadata: PeerMetadata) -> Peer:
@@ -111,19 +184,58 @@ class MooncakeBackend(JobTransfers, Backend):
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():
             raise PeerError(f"peer {md.agent_name!r} published Mooncake session {session!r}, not host:port")
-        return Peer(md.agent_name, md.regions, md.pid, session)
+        self._check_reachable(md.agent_name, session, host.strip("[]"), int(port), md.regions)
+        worker = JobWorker(f"pdwire-mooncake-{md.agent_name}"[:60], self.threads_per_peer, self._waker.set)
+        self._workers.append(worker)
+        return Peer(md.agent_name, md.regions, md.pid, _Remote(session, worker), dst_delta=md.window)
+
+    def _check_reachable(
+        self, agent: str, session: str, host: str, port: int, regions: tuple[Region, ...]
+    ) -> None:
+        """Fail now, naming the address, when the peer's advertised session is not this peer.
+
+        Mooncake accepts any session name and only fails at the first write (rc -1), so adding
+        a peer connects to the session and asks its engine for its first buffer: the answer
+        must be one of the peer's regions. A session Mooncake advertised as 127.0.0.1 from
+        another host is refused, or answered by some other engine, and is caught here.
+        """
+        why = ""
+        try:
+            socket.create_connection((host, port), timeout=self.connect_timeout_s).close()
+        except OSError as exc:
+            why = f"cannot connect ({exc})"
+        if not why and regions:
+            first = int(self._engine.get_first_buffer_address(session))
+            if first == 0:
+                why = "no Mooncake engine answered there"
+            elif first not in {r.base for r in regions}:
+                why = f"the engine there is another one (its first buffer is at {first:#x})"
+        if why:
+            raise PeerError(
+                f"Mooncake session {session} advertised by {agent!r} is not reachable from this host: "
+                f"{why}. The peer must set the mooncake backend option hostname= to an address "
+                "this host reaches"
+            )
 
     def _remove_peer(self, peer: Peer) -> None:
-        pass  # Mooncake keeps no per-peer state we own; its connections are pooled internally
+        # None of its transfers can still run (the base class waits for that): the threads are idle.
+        remote: _Remote = peer.engine
+        remote.worker.stop()
+        self._workers.remove(remote.worker)
+
+    def _submit(self, handle: TransferHandle, run: Any) -> Job:
+        remote: _Remote = handle.peer.engine
+        return remote.worker.submit(run)
 
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
-        session: str = handle.peer.engine
-        src, dst, length = table.src_addr.tolist(), table.dst_addr.tolist(), table.length.tolist()
+        session = handle.peer.engine.session
+        dst_addr = handle.peer.engine_dst(table.dst_addr, table.dst_region)
+        src, dst, length = table.src_addr.tolist(), dst_addr.tolist(), table.length.tolist()
         chunks = batches(len(src), self.max_batch)
         notify = self._notify_cls(self.agent_name, _to_msg(notification))
         engine, op = self._engine, self._write_op
 
-        def run(job: Job) -> TransferStatus:
+        def run(job: Job) -> PollResult:
             for k, (a, b) in enumerate(chunks):
                 if job.cancel:
                     return failed("cancelled")
@@ -135,16 +247,25 @@ class MooncakeBackend(JobTransfers, Backend):
                     return failed(f"Mooncake write of rows [{a}, {b}) to {session} returned {rc}")
             return DONE
 
-        handle.engine = self._worker.submit(run)
+        handle.engine = self._submit(handle, run)
 
-    def _receive_notifications(self) -> list[Notification]:
+    def _receive_notifications(self) -> list[EngineNotification]:
         got: list[Any] = self._engine.get_notifies()
-        return [Notification(str(n.name), _from_msg(n.msg)) for n in got]
+        return [EngineNotification(str(n.name), _from_msg(n.msg)) for n in got]
+
+    def wakeup_fds(self) -> tuple[int, ...]:
+        return () if self.closed else (self._waker.fd,)
+
+    def clear_wakeups(self) -> None:
+        if not self.closed:
+            self._waker.drain()
 
     def _close(self) -> None:
-        self._worker.stop()
+        for worker in self._workers:  # a thread still inside an engine call is left to end alone
+            worker.stop(timeout_s=1.0)
+        self._workers.clear()
+        self._waker.close()
         for base in self._registered:
             self._engine.unregister_memory(base)
         self._registered.clear()
-        self._buffers.clear()
         del self._engine

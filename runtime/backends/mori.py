@@ -2,7 +2,7 @@
 
 MoRI addresses memory as *descriptor + offset*: ``register_memory`` returns a
 ``MemoryDesc`` per region, peers exchange packed descriptors (``region_descs`` of
-:class:`~.base.PeerMetadata`, the wire's per-component memory-descriptor blobs), and
+:class:`~.values.PeerMetadata`, the wire's per-component memory-descriptor blobs), and
 ``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids)``
 moves rows given as offsets relative to each descriptor's base. The adapter turns a
 DescriptorTable into that shape with ``src_region`` / ``dst_region``: rows are grouped by
@@ -18,8 +18,9 @@ adapter delivers the notification itself after every status succeeded, through a
 same-host inbox directory (:mod:`.shm`). With real MoRI across hosts that hook would be
 replaced by the control plane.
 
-Only ``mori-fake`` (:class:`MoriFakeBackend`, over :mod:`.mori_fake`) runs here: MoRI
-itself cannot be installed on this project's machines.
+MoRI itself cannot be installed on this project's machines, so the adapter is exercised
+here over an in-process fake of MoRI's IO engine (``mori-fake``, in the demo package:
+:mod:`pdwire.runtime.demo.mori_fake`), never registered as a production backend.
 """
 
 from __future__ import annotations
@@ -27,28 +28,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
-from pdwire.runtime.backends import mori_fake, shm
-from pdwire.runtime.backends.base import (
+from pdwire.runtime.backends import shm
+from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.errors import PeerError, RegistrationError, TransferError
+from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
+from pdwire.runtime.backends.support import batches
+from pdwire.runtime.backends.values import (
     DONE,
     PENDING,
-    Backend,
+    EngineNotification,
     HostBuffer,
-    Notification,
     Peer,
-    PeerError,
     PeerMetadata,
-    RegistrationError,
-    TransferError,
+    PollResult,
     TransferHandle,
-    TransferStatus,
-    batches,
-    decode_envelope,
-    encode_envelope,
     failed,
-    pid_alive,
 )
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
 
@@ -64,7 +61,7 @@ class _Remote:
 class _Xfer:
     statuses: list[Any]
     notification: bytes
-    status: TransferStatus = field(default=PENDING)
+    status: PollResult = field(default=PENDING)
     cancelled: bool = False
 
 
@@ -72,6 +69,12 @@ class MoriBackend(Backend):
     """The adapter; ``api`` is the module providing MoRI's names (``mori.io`` or the fake)."""
 
     name = "mori"
+    OPTION_DOCS: ClassVar[dict[str, str]] = {
+        "host": "the address MoRI's IO engine listens on and advertises to peers",
+        "port": "its port (0: any free one)",
+        "max_rows": "rows per MoRI batch_write (larger groups are split)",
+        "allocator": "(Python API only) where allocate() takes memory from",
+    }
     peers_keyed_by_name = True
 
     def __init__(
@@ -81,11 +84,14 @@ class MoriBackend(Backend):
         transfer_timeout_s: float = 30.0,
         max_rows: int = 4096,
         allocator: Callable[[str, int], HostBuffer] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         super().__init__(agent_name, transfer_timeout_s)
         self._api = api
         self.max_rows = max_rows
-        self._engine = api.IOEngine(self.agent_name, api.IOEngineConfig("127.0.0.1", 0))
+        # MoRI's engine listens on (host, port) and advertises them in its engine descriptor
+        self._engine = api.IOEngine(self.agent_name, api.IOEngineConfig(host, port))
         self._engine.create_backend(api.BackendType.RDMA)
         self._mem_descs: list[Any] = []
         self._allocator = allocator
@@ -106,7 +112,9 @@ class MoriBackend(Backend):
             except Exception as exc:
                 raise RegistrationError(f"MoRI register_memory refused region {r.name!r}: {exc}") from None
 
-    def _local_metadata(self) -> PeerMetadata:
+    def _local_metadata(self, window: list[int] | None) -> PeerMetadata:
+        # MoRI addresses memory by descriptor: no windows (``window`` is all zeros here, since
+        # no region lies in memory from the base allocator), so revoke() reports ineffective.
         engine = self._engine.get_engine_desc().pack()
         env = encode_envelope(self.name, self.agent_name, self.regions, engine, {"inbox": self._inbox.path})
         return PeerMetadata(self.agent_name, env, tuple(d.pack() for d in self._mem_descs))
@@ -169,7 +177,7 @@ class MoriBackend(Backend):
             raise TransferError(f"MoRI batch_write to {handle.peer.agent_name!r} raised: {exc}") from None
         handle.engine = _Xfer(list(statuses), notification)
 
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
+    def _poll(self, handle: TransferHandle) -> PollResult:
         x: _Xfer = handle.engine
         if x.status.finished:
             return x.status
@@ -204,8 +212,8 @@ class MoriBackend(Backend):
     def _release(self, handle: TransferHandle) -> None:
         handle.engine = None
 
-    def _receive_notifications(self) -> list[Notification]:
-        return [Notification(s, p) for s, p in self._inbox.receive()]
+    def _receive_notifications(self) -> list[EngineNotification]:
+        return [EngineNotification(s, p) for s, p in self._inbox.receive()]
 
     def _close(self) -> None:
         for d in self._mem_descs:
@@ -215,35 +223,3 @@ class MoriBackend(Backend):
         if shutdown is not None:
             shutdown()
         shm.remove_path(self._inbox.path)
-
-
-class MoriFakeBackend(MoriBackend):
-    """The adapter over :mod:`.mori_fake`, with /dev/shm memory so processes can share it."""
-
-    name = "mori-fake"
-
-    def __init__(
-        self, agent_name: str | None = None, transfer_timeout_s: float = 30.0, max_rows: int = 4096
-    ) -> None:
-        shm.reap_dead()
-        self._stem = shm.make_stem(os.urandom(4).hex())
-        self._maps: list[shm.Mapping] = []
-        self._bufs: list[HostBuffer] = []
-        super().__init__(mori_fake, agent_name, transfer_timeout_s, max_rows, allocator=self._shm_allocate)
-
-    def _shm_allocate(self, name: str, nbytes: int) -> HostBuffer:
-        m = shm.Mapping(f"{self._stem}-{len(self._maps)}-{shm.safe_token(name)}", nbytes, create=True)
-        assert m.array is not None
-        buf = HostBuffer(name, m.array)
-        self._maps.append(m)
-        self._bufs.append(buf)
-        return buf
-
-    def _close(self) -> None:
-        super()._close()
-        for m, buf in zip(self._maps, self._bufs, strict=True):
-            shm.remove_path(m.path)
-            buf.array = np.zeros(0, dtype=np.uint8)
-            m.close()
-        self._maps.clear()
-        self._bufs.clear()

@@ -25,6 +25,12 @@ Mapping onto NIXL
   fixed-size slot of a region (e.g. a KV page grid); it builds both sides' prepped dlists
   once per (peer, region pair, slot size) with ``prep_xfer_dlist`` and then posts with
   ``make_prepped_xfer`` by slot index, which skips per-request descriptor preparation.
+* The same, automatically: ``post`` of a table whose rows are all one length, each a whole
+  slot of that length in its region (a page grid, a head-slice grid), uses prepped dlists of
+  every slot of the regions the table touches once the same layout (peer, row length, regions
+  on each side) comes a second time: the first post of a layout goes the ordinary way, and a
+  layout is prepped only while its slots stay few enough to list (``PREPPED_MAX_SLOTS`` a side;
+  at most ``PREPPED_LAYOUTS_PER_PEER`` layouts a peer). ``prepped_posts`` counts them.
 
 Progress thread: NIXL's Python wrapper starts it with a zero delay, i.e. spinning on a whole
 core per agent; this backend builds the agent with ``progress_delay_us`` (default 1000) so the
@@ -40,31 +46,33 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.backends.base import (
-    DONE,
-    PENDING,
-    Backend,
+from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.errors import (
+    BackendUnavailable,
     DescriptorError,
-    HostBuffer,
-    Notification,
-    Peer,
     PeerError,
-    PeerMetadata,
     RegistrationError,
     TransferError,
+)
+from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
+from pdwire.runtime.backends.support import batches
+from pdwire.runtime.backends.values import (
+    DONE,
+    PENDING,
+    EngineNotification,
+    HostBuffer,
+    Peer,
+    PeerMetadata,
+    PollResult,
     TransferHandle,
-    TransferStatus,
-    aligned_zeros,
-    batches,
-    decode_envelope,
-    encode_envelope,
     failed,
 )
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
+from pdwire.runtime.netif import addresses_of, interfaces
 
 
 def _skip_verbs_modules_without_rdma_devices() -> None:
@@ -103,6 +111,12 @@ DEFAULT_PROGRESS_DELAY_US = 1000
 # "peer" (dead peers must fail transfers); "none" measured no faster here, since puts use
 # cma either way and only the notification path changes.
 DEFAULT_UCX_PARAMS: dict[str, str] = {"num_threads": "2"}
+
+# Automatic prepped dlists (see the module notes): tables of fewer rows gain nothing from them;
+# a layout of more slots than this a side costs more to list than it saves; layouts kept a peer.
+PREPPED_MIN_ROWS = 64
+PREPPED_MAX_SLOTS = 1 << 20
+PREPPED_LAYOUTS_PER_PEER = 8
 
 
 @contextlib.contextmanager
@@ -167,7 +181,7 @@ class _Xfer:
     states: list[str] = field(default_factory=list)
     error: str = ""  # the first engine failure; reported once no request is active
     stopping: bool = False  # cancelled: no send_notif any more
-    status: TransferStatus = field(default=PENDING)
+    status: PollResult = field(default=PENDING)
 
     def __post_init__(self) -> None:
         self.states = [_NEW] * len(self.reqs)
@@ -191,6 +205,17 @@ class NixlBackend(Backend):
     supports_vram = True
     peers_keyed_by_name = True
 
+    OPTION_DOCS: ClassVar[dict[str, str]] = {
+        "net_devices": "UCX network devices to use and advertise (UCX_NET_DEVICES form: eth0 or "
+        "mlx5_0:1, comma-separated); default: UCX_NET_DEVICES, else every device",
+        "transports": "UCX transports (UCX_TLS form, e.g. tcp or rc,cuda_copy); default: UCX_TLS, "
+        "else UCX's choice. Both are set for the whole process before the agent starts",
+        "max_descs_per_xfer": "rows per NIXL WRITE request (larger tables are split)",
+        "ucx_params": "extra UCX backend parameters of NIXL (key:value;key:value)",
+        "progress_delay_us": "progress thread's fallback wake-up period in microseconds (0: NIXL's "
+        "spinning thread); default PDWIRE_NIXL_PROGRESS_DELAY_US or 1000",
+    }
+
     def __init__(
         self,
         agent_name: str | None = None,
@@ -198,6 +223,8 @@ class NixlBackend(Backend):
         max_descs_per_xfer: int = 32768,
         ucx_params: dict[str, str] | None = None,
         progress_delay_us: int | None = None,
+        net_devices: str | None = None,
+        transports: str | None = None,
     ) -> None:
         super().__init__(agent_name, transfer_timeout_s)
         _skip_verbs_modules_without_rdma_devices()
@@ -214,26 +241,58 @@ class NixlBackend(Backend):
             progress_delay_us = int(env) if env.strip() else DEFAULT_PROGRESS_DELAY_US
         if progress_delay_us < 0:
             raise TransferError(f"progress_delay_us must be >= 0, got {progress_delay_us}")
+        # UCX reads its devices and transports from the environment when NIXL creates its
+        # context (NIXL's own "ucx_devices" parameter does not override UCX_NET_DEVICES), so
+        # the options set them for this process before the agent starts
+        if net_devices:
+            os.environ["UCX_NET_DEVICES"] = net_devices
+        if transports:
+            os.environ["UCX_TLS"] = transports
         # nixl._api re-exports the CUDA-flavoured module's names; patch where the class lives.
         impl = sys.modules.get(nixl_agent.__module__, nixl_api)
         with _progress_delay(impl, progress_delay_us):
             self._agent = nixl_agent(self.agent_name, cfg)
-        self._agent.create_backend("UCX", {**DEFAULT_UCX_PARAMS, **(ucx_params or {})})
+        params = {**DEFAULT_UCX_PARAMS, **(ucx_params or {})}
+        self.net_devices = os.environ.get("UCX_NET_DEVICES", "")
+        self._where: dict[str, Any] | None = None
+        try:
+            self._agent.create_backend("UCX", params)
+        except Exception as exc:
+            devices = self.net_devices or "all"
+            raise BackendUnavailable(
+                f"NIXL could not start UCX on devices {devices!r} (transports "
+                f"{os.environ.get('UCX_TLS') or 'default'}): {exc}; a device must exist and be up"
+            ) from None
         self._reg_descs: list[Any] = []
-        self._buffers: list[HostBuffer] = []
         # (peer, src region, dst region, slot size) -> prepped dlists; keyed by the Peer object,
         # not its name, so a peer replaced under the same name never reuses stale dlists
-        self._prepped: dict[tuple[Peer, int, int, int], tuple[Any, Any]] = {}
+        self._prepped: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        # layouts seen (automatic prepping): key -> posts; and per prepped layout, the first
+        # slot index of each region in its dlists (by region id; -1: not in the layout)
+        self._layouts_seen: dict[tuple[Any, ...], int] = {}
+        self._grid_starts: dict[tuple[Any, ...], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        self.prepped_posts = 0  # posts that went through prepped dlists (post_prepped or automatic)
         self._orphans: list[Any] = []  # request handles NIXL could not release yet
         self._local_cols: _RegionInfo | None = None
 
     # ---- memory
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
-        buf = HostBuffer(name, aligned_zeros(nbytes))
-        self._buffers.append(buf)
-        return buf
+        return self._shared_buffer(name, nbytes)
 
     def _register(self, regions: list[Region]) -> None:
+        self._reg_descs.extend(self._register_rows(regions))
+
+    def _register_window(self, regions: list[Region]) -> Any:
+        return self._register_rows(regions)
+
+    def _unregister_window(self, token: Any) -> None:
+        # On RDMA this invalidates the window's key; under UCX's tcp and cma the remap that
+        # follows is what stops late writes (deregistration alone was measured not to).
+        for descs in token:
+            self._agent.deregister_memory(descs)
+
+    def _register_rows(self, regions: list[Region]) -> list[Any]:
+        out: list[Any] = []
         for kind in MemoryKind:
             rows = [(r.base, r.length, r.device_id) for r in regions if r.kind is kind]
             if not rows:
@@ -241,16 +300,33 @@ class NixlBackend(Backend):
             try:
                 descs = self._agent.register_memory(np.array(rows, dtype=np.uint64), kind.value)
             except Exception as exc:
+                for d in out:  # all or nothing
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(d)
                 raise RegistrationError(
                     f"NIXL refused to register {len(rows)} {kind.value} regions: {exc}"
                 ) from None
-            self._reg_descs.append(descs)
+            out.append(descs)
+        return out
 
-    def _local_metadata(self) -> PeerMetadata:
+    def _local_metadata(self, window: list[int] | None) -> PeerMetadata:
+        # taken after the windows are registered: NIXL's metadata carries the registrations
         engine = bytes(self._agent.get_agent_metadata())
+        # what UCX advertises, in words a peer can print when it cannot connect
+        if self._where is None:
+            self._where = {"ucx_devices": self.net_devices or "all", "addresses": self._addresses()}
+        where: dict[str, Any] = {**self._where, "window": window} if window else self._where
         return PeerMetadata(
-            self.agent_name, encode_envelope(self.name, self.agent_name, self.regions, engine)
+            self.agent_name, encode_envelope(self.name, self.agent_name, self.regions, engine, where)
         )
+
+    def _addresses(self) -> list[str]:
+        try:
+            if self.net_devices:
+                return addresses_of(self.net_devices)
+            return [a for addrs in interfaces().values() for a in addrs]
+        except OSError:
+            return []
 
     # ---- peers
     def _add_peer(self, metadata: PeerMetadata) -> Peer:
@@ -258,16 +334,27 @@ class NixlBackend(Backend):
         try:
             name = self._agent.add_remote_agent(md.engine)
         except Exception as exc:
-            raise PeerError(f"NIXL rejected the metadata of {md.agent_name!r}: {exc}") from None
+            # UCX connects here: an address the peer advertised that this host cannot reach
+            # fails now, at the handshake, and the error names it
+            devices = md.extra.get("ucx_devices", "?")
+            addrs = ", ".join(map(str, md.extra.get("addresses", []))) or "no address"
+            raise PeerError(
+                f"NIXL cannot reach {md.agent_name!r} (it advertises UCX devices {devices!r}: {addrs}; "
+                f"this rank uses {self.net_devices or 'all'!r}): {exc}. Both hosts' net_devices "
+                "(UCX_NET_DEVICES) must name interfaces on a network they share"
+            ) from None
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != md.agent_name:
             raise PeerError(f"NIXL metadata names agent {name!r}, envelope says {md.agent_name!r}")
-        return Peer(md.agent_name, md.regions, md.pid)
+        return Peer(md.agent_name, md.regions, md.pid, dst_delta=md.window)
 
     def _remove_peer(self, peer: Peer) -> None:
         for key in [k for k in self._prepped if k[0] is peer]:
             for h in self._prepped.pop(key):
                 self._safe_release(h)
+            self._grid_starts.pop(key, None)
+        for key in [k for k in self._layouts_seen if k[0] is peer]:
+            del self._layouts_seen[key]
         if peer.agent_name in self._peers:
             # Replaced by a newer peer of the same name while its transfers were stopping:
             # NIXL's entry for the name is the newer peer's now.
@@ -317,10 +404,12 @@ class NixlBackend(Backend):
         return out
 
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
+        if self._post_on_grid(handle, table, notification):
+            return
         peer = handle.peer
         linfo, pinfo = self._local_info(), self._peer_info(peer)
         src3 = self._rows3(table.src_addr, table, table.src_region, linfo)
-        dst3 = self._rows3(table.dst_addr, table, table.dst_region, pinfo)
+        dst3 = self._rows3(peer.engine_dst(table.dst_addr, table.dst_region), table, table.dst_region, pinfo)
         plan: list[tuple[str, str, npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = []
         for sk, dk, rows in self._group_rows(table, linfo, pinfo):
             s3, d3 = (src3, dst3) if rows is None else (src3[rows], dst3[rows])
@@ -379,9 +468,10 @@ class NixlBackend(Backend):
             raise DescriptorError(f"post_prepped: rows are not aligned to {slot_bytes}-byte slots")
         key = (peer, sreg, dreg, slot_bytes)
         if key not in self._prepped:
+            delta = 0 if peer.dst_delta is None else int(peer.dst_delta[dreg])
             self._prepped[key] = (
                 self._prep(sr, slot_bytes, "NIXL_INIT_AGENT"),
-                self._prep(dr, slot_bytes, peer.agent_name),
+                self._prep(dr, slot_bytes, peer.agent_name, delta),
             )
         lh, rh = self._prepped[key]
         s_idx = (s_off // np.uint64(slot_bytes)).astype(np.int32)
@@ -393,17 +483,117 @@ class NixlBackend(Backend):
         h.engine = x = _Xfer([req], notification, notify_after=False)
         self._start(x, peer.agent_name)
         self._handles[h.id] = h
+        self.prepped_posts += 1
         return h
 
-    def _prep(self, r: Region, slot: int, agent: str) -> Any:
+    def _grid_key(self, peer: Peer, table: DescriptorTable) -> tuple[Any, ...] | None:
+        """The layout key of a table that fits a slot grid (one row length, every row a whole
+        slot of its region, one memory kind a side, one engine request), or None."""
+        if len(table) > self.max_descs:
+            return None
+        slot = int(table.length[0])
+        if slot <= 0 or (table.length != slot).any():
+            return None
+        key: list[Any] = [peer, "grid", slot]
+        for addrs, region_ids, regions in (
+            (table.src_addr, table.src_region, self.regions),
+            (table.dst_addr, table.dst_region, peer.regions),
+        ):
+            used = np.unique(region_ids)
+            if len({regions[int(r)].kind for r in used}) != 1:
+                return None
+            slots = sum(regions[int(r)].length // slot for r in used)
+            if slots > PREPPED_MAX_SLOTS:
+                return None
+            bases = np.array([regions[int(r)].base for r in range(len(regions))], dtype=np.uint64)
+            if ((addrs - bases[region_ids]) % np.uint64(slot)).any():
+                return None
+            key.append(tuple(int(r) for r in used))
+        return tuple(key)
+
+    def _post_on_grid(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> bool:
+        """Post through prepped dlists when the table's layout repeats (module notes); False
+        when it does not apply (nothing done)."""
+        if len(table) < PREPPED_MIN_ROWS:
+            return False
+        peer = handle.peer
+        key = self._grid_key(peer, table)
+        if key is None:
+            return False
+        if key not in self._prepped:
+            seen = self._layouts_seen.get(key, 0) + 1
+            layouts = sum(1 for k in self._prepped if k[0] is peer)
+            if seen < 2 or layouts >= PREPPED_LAYOUTS_PER_PEER:
+                if len(self._layouts_seen) >= 4 * PREPPED_LAYOUTS_PER_PEER * max(1, len(self._peers)):
+                    self._layouts_seen.clear()  # bounded: layouts that never repeat are forgotten
+                self._layouts_seen[key] = seen
+                return False
+            self._prep_grid(key, peer)
+        lh, rh = self._prepped[key]
+        s_start, d_start = self._grid_starts[key]
+        slot = np.uint64(key[2])
+        sbase = np.array([r.base for r in self.regions], dtype=np.uint64)
+        dbase = np.array([r.base for r in peer.regions], dtype=np.uint64)
+        s_idx = s_start[table.src_region] + ((table.src_addr - sbase[table.src_region]) // slot).astype(
+            np.int64
+        )
+        d_idx = d_start[table.dst_region] + ((table.dst_addr - dbase[table.dst_region]) // slot).astype(
+            np.int64
+        )
+        try:
+            req = self._agent.make_prepped_xfer(
+                "WRITE", lh, s_idx.astype(np.int32), rh, d_idx.astype(np.int32), bytes(notification)
+            )
+        except Exception as exc:
+            raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
+        handle.engine = x = _Xfer([req], notification, notify_after=False)
+        self._start(x, peer.agent_name)
+        self.prepped_posts += 1
+        return True
+
+    def _prep_grid(self, key: tuple[Any, ...], peer: Peer) -> None:
+        slot, src_used, dst_used = int(key[2]), key[3], key[4]
+        handles: list[Any] = []
+        starts: list[npt.NDArray[np.int64]] = []
+        try:
+            for used, regions, agent, delta in (
+                (src_used, self.regions, "NIXL_INIT_AGENT", None),
+                (dst_used, peer.regions, peer.agent_name, peer.dst_delta),
+            ):
+                start = np.full(len(regions), -1, dtype=np.int64)
+                rows: list[npt.NDArray[np.uint64]] = []
+                n = 0
+                for r in used:
+                    reg = regions[r]
+                    k = reg.length // slot
+                    base = (reg.base + (0 if delta is None else int(delta[r]))) % (1 << 64)
+                    part = np.empty((k, 3), dtype=np.uint64)
+                    part[:, 0] = np.uint64(base) + np.arange(k, dtype=np.uint64) * np.uint64(slot)
+                    part[:, 1] = slot
+                    part[:, 2] = reg.device_id
+                    rows.append(part)
+                    start[r], n = n, n + k
+                kind = regions[used[0]].kind.value
+                handles.append(self._agent.prep_xfer_dlist(agent, np.concatenate(rows), kind))
+                starts.append(start)
+        except Exception as exc:
+            for h in handles:
+                self._safe_release(h)
+            raise TransferError(f"NIXL prep_xfer_dlist for {peer.agent_name!r} failed: {exc}") from None
+        self._prepped[key] = (handles[0], handles[1])
+        self._grid_starts[key] = (starts[0], starts[1])
+        self._layouts_seen.pop(key, None)
+
+    def _prep(self, r: Region, slot: int, agent: str, delta: int = 0) -> Any:
         n = r.length // slot
         rows = np.empty((n, 3), dtype=np.uint64)
-        rows[:, 0] = np.uint64(r.base) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
+        base = (r.base + delta) % (1 << 64)  # the peer's window onto the region, if it gave one
+        rows[:, 0] = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
         rows[:, 1] = slot
         rows[:, 2] = r.device_id
         return self._agent.prep_xfer_dlist(agent, rows, r.kind.value)
 
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
+    def _poll(self, handle: TransferHandle) -> PollResult:
         x: _Xfer = handle.engine
         if x.status.finished:
             return x.status
@@ -450,15 +640,17 @@ class NixlBackend(Backend):
                 self._safe_release(req)
         handle.engine = None
 
-    def _receive_notifications(self) -> list[Notification]:
+    def _receive_notifications(self) -> list[EngineNotification]:
         got = self._agent.get_new_notifs()
-        return [Notification(str(peer), bytes(m)) for peer, msgs in got.items() for m in msgs]
+        return [EngineNotification(str(peer), bytes(m)) for peer, msgs in got.items() for m in msgs]
 
     def _close(self) -> None:
         for hs in self._prepped.values():
             for h in hs:
                 self._safe_release(h)
         self._prepped.clear()
+        self._grid_starts.clear()
+        self._layouts_seen.clear()
         for h in self._orphans:
             # NIXL frees leaked handles itself when the agent is destroyed.
             with contextlib.suppress(Exception):
@@ -469,5 +661,4 @@ class NixlBackend(Backend):
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(descs)
         self._reg_descs.clear()
-        self._buffers.clear()
         del self._agent

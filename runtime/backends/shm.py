@@ -20,13 +20,14 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.backends.base import pid_alive
+from pdwire.runtime.backends.metadata import pid_alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pdwire-"
@@ -34,12 +35,14 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9_.]")
 _owned: set[str] = set()  # paths this process created and has not removed yet
 
 
-def _cleanup_at_exit() -> None:
+def remove_owned() -> None:
+    """Remove every path this process created and still has (for a process that leaves with
+    ``os._exit``, which skips the interpreter-exit hook below)."""
     for path in list(_owned):
         remove_path(path)
 
 
-atexit.register(_cleanup_at_exit)
+atexit.register(remove_owned)
 
 
 def remove_path(path: str) -> None:
@@ -138,6 +141,7 @@ class Inbox:
     """
 
     path: str
+    skipped: int = 0  # entries that were no message of ours (not a file, unreadable, garbage)
 
     @classmethod
     def create(cls, path: str) -> Inbox:
@@ -153,11 +157,75 @@ class Inbox:
         out = []
         for n in names:
             p = f"{self.path}/{n}"
-            with open(p, "rb") as f:
-                msg = _decoder.decode(f.read())
-            os.unlink(p)
+            try:
+                msg = _decoder.decode(_read_message_file(p))
+            except (OSError, ValueError, msgspec.DecodeError):
+                # anyone who can write the directory can drop anything in it: a directory, a
+                # symlink, a FIFO, random bytes. None of it is a message; it is removed and
+                # counted, and the rank keeps receiving.
+                self.skipped += 1
+                _discard(p)
+                continue
+            _discard(p)
             out.append((msg.sender, msg.payload))
         return out
+
+
+MESSAGE_FILE_LIMIT = 1 << 20  # a notification is a few hundred bytes; a bigger file is no message
+
+
+def _read_message_file(path: str) -> bytes:
+    """The bytes of one regular file of the inbox, never following a link or blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size > MESSAGE_FILE_LIMIT:
+            raise ValueError(f"{path} is {st.st_size} bytes, more than any message")
+        return os.read(fd, MESSAGE_FILE_LIMIT + 1)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+    except (FileNotFoundError, PermissionError):
+        pass
+
+
+_INBOX_NAME = re.compile(r"pdwire-([0-9]+)-[0-9a-f]{8}\.inbox")
+
+
+def inbox_problem(path: object, pid: int) -> str | None:
+    """Why ``path`` is not the inbox process ``pid`` created (None: it is).
+
+    A notification is written into the inbox the peer names, so a peer may only name its own:
+    ``/dev/shm/pdwire-<its pid>-<token>.inbox`` as :meth:`Inbox.create` makes it, a real
+    directory (no symlink), owned by the user the process runs as. Anything else (another
+    directory, a path with ``..``, another process's inbox) would let it steer our writes.
+    """
+    if not isinstance(path, str):
+        return "not a path"
+    head, _, name = path.rpartition("/")
+    m = _INBOX_NAME.fullmatch(name)
+    if head != SHM_DIR or m is None:
+        return f"not an inbox of {SHM_DIR}"
+    if int(m.group(1)) != pid:
+        return f"made by pid {m.group(1)}, the peer is pid {pid}"
+    try:
+        st = os.lstat(path)
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError as exc:
+        return f"cannot be checked: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != owner:
+        return f"owned by uid {st.st_uid}, the peer runs as uid {owner}"
+    return None
 
 
 _seq = itertools.count(1)  # next() on a count is atomic under the GIL: safe from worker threads

@@ -1,7 +1,8 @@
-"""One background thread that runs a backend's transfer jobs in order.
+"""Background threads that run a backend's transfer jobs in order of submission.
 
-Used by engines whose calls block (Mooncake's sync batch writes, the local memmove loop):
+Used by engines whose calls block (Mooncake's sync batch writes, the local copy loop):
 the owner thread posts a job and polls its status, so ``post`` and ``poll`` never block.
+A worker has one thread or several (jobs then run side by side, started in order).
 A job function must check ``job.cancel`` between bounded steps and must not raise
 (anything it raises is turned into FAILED so the thread never dies). A job's status is
 published only when the worker has left it, which is what makes a final state the
@@ -10,32 +11,39 @@ engine's confirmation that the job no longer touches memory.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdwire.runtime.backends.base import PENDING, TransferHandle, TransferStatus, failed
+from pdwire.runtime.backends.values import PENDING, PollResult, TransferHandle, failed
 
 
 @dataclass(eq=False)
 class Job:
-    run: Callable[[Job], TransferStatus]
+    run: Callable[[Job], PollResult]
     cancel: bool = False
-    status: TransferStatus = field(default=PENDING)
+    status: PollResult = field(default=PENDING)
     finished: threading.Event = field(default_factory=threading.Event)
+    started_at: float | None = None  # time.monotonic() when a thread took it up
 
-    def poll(self) -> TransferStatus:
+    def poll(self) -> PollResult:
         return self.status if self.finished.is_set() else PENDING
 
 
 class JobWorker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1, on_done: Callable[[], None] | None = None) -> None:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._on_done = on_done  # told after each job's final status is published (a wake-up)
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
 
-    def submit(self, run: Callable[[Job], TransferStatus]) -> Job:
+    def submit(self, run: Callable[[Job], PollResult]) -> Job:
         job = Job(run)
         self._jobs.put(job)
         return job
@@ -45,27 +53,50 @@ class JobWorker:
             job = self._jobs.get()
             if job is None:
                 return
+            job.started_at = time.monotonic()
             try:
                 job.status = failed("cancelled") if job.cancel else job.run(job)
             except Exception as exc:  # report, never die
                 job.status = failed(f"{type(exc).__name__}: {exc}")
             job.finished.set()
+            if self._on_done is not None:
+                self._on_done()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=timeout_s)
+        """Let every thread finish its job and end; waits at most ``timeout_s`` in all (a
+        thread stuck inside an engine call is left behind: it is a daemon)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
 
 
 class JobTransfers:
     """The poll/cancel/release hooks of a backend whose transfers run as :class:`Job` s.
 
-    Mix in before :class:`~pdwire.runtime.backends.base.Backend`; ``_post`` stores the
-    submitted job in ``handle.engine``. Cancelling only raises the job's flag: a queued job
-    is skipped, a running one stops at its next check (a Mooncake chunk in flight runs to
-    its end first), and the job reports final once the worker left it.
+    Mix in before :class:`~pdwire.runtime.backends.contract.Backend`; ``_post`` stores the job
+    :meth:`_submit` returned in ``handle.engine``. Cancelling only raises the job's flag: a
+    queued job is skipped, a running one stops at its next check (a Mooncake chunk in flight
+    runs to its end first), and the job reports final once the worker left it. A job's
+    transfer timeout counts from when a thread took it up: time queued behind other jobs is
+    the caller's backlog, not the engine's slowness (a queued job ends when it is cancelled).
     """
 
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
+    transfer_timeout_s: float
+    _worker: JobWorker
+
+    def _submit(self, handle: TransferHandle, run: Callable[[Job], PollResult]) -> Job:
+        """Queue ``run`` for ``handle``; engines with more than one worker pick one here."""
+        return self._worker.submit(run)
+
+    def _deadline(self, handle: TransferHandle) -> float:
+        job: Job | None = handle.engine
+        if job is None or job.started_at is None:
+            return math.inf
+        return job.started_at + self.transfer_timeout_s
+
+    def _poll(self, handle: TransferHandle) -> PollResult:
         job: Job = handle.engine
         return job.poll()
 

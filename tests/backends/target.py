@@ -18,6 +18,7 @@ import select
 import sys
 import time
 
+import pdwire.runtime.demo  # noqa: F401 - registers the demo's mori-fake backend
 from pdwire.runtime.backends import create_backend
 
 

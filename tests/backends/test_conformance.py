@@ -32,15 +32,15 @@ from pdwire.runtime.backends import (
     DescriptorError,
     PeerError,
     PeerMetadata,
+    PollResult,
     RegistrationError,
     TransferError,
     TransferState,
-    TransferStatus,
     create_backend,
     shm,
 )
-from pdwire.runtime.backends.base import CANCELLING, DONE
 from pdwire.runtime.backends.registry import known_backends
+from pdwire.runtime.backends.values import CANCELLING, DONE
 from pdwire.runtime.descriptors import DescriptorTable
 
 BACKENDS = known_backends()
@@ -152,20 +152,6 @@ def spawn() -> Iterator[Any]:
     yield make
     for t in targets:
         t.kill()
-
-
-@pytest.fixture
-def backends() -> Iterator[Any]:
-    made: list[Backend] = []
-
-    def make(name: str, **kw: Any) -> Backend:
-        b = create_backend(name, **kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
 
 
 def source(b: Backend, nbytes: int, seed: int = 1) -> Any:
@@ -409,24 +395,38 @@ class _HeldAgent:
         return state if self._gate.is_set() or state == "ERR" else "PROC"
 
 
+class HeldGate(threading.Event):
+    """The gate :func:`held` yields; ``entered`` is set once the engine holds a transfer (a
+    worker thread took a job up), so a test can act on a transfer that has really started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+
 @contextlib.contextmanager
-def held(name: str, b: Any) -> Iterator[threading.Event]:
+def held(name: str, b: Any) -> Iterator[HeldGate]:
     """Hold ``b``'s engine: a transfer posted inside can neither finish nor confirm a cancel
     until the yielded gate is set (at the latest when the block ends).
 
-    Worker-thread engines (local, mooncake, the MoRI fake's IO engine) get a job that waits on
-    the gate, so transfers queue behind it on their one worker thread. NIXL has no such thread:
-    its agent is wrapped so that requests report PROC while the gate is closed, as a slow
-    transfer does. A new backend adds its own way of holding its engine here.
+    Worker-thread backends (local, mooncake) start each job as usual, and the job waits on the
+    gate before its first step, as an engine stuck at the start of a transfer does (the job
+    counts as started: its transfer timeout runs). The MoRI fake's IO engine gets a job that
+    waits on the gate, so transfers queue behind it on its one worker thread. NIXL has no such
+    thread: its agent is wrapped so that requests report PROC while the gate is closed, as a
+    slow transfer does. A new backend adds its own way of holding its engine here.
     """
-    gate = threading.Event()
+    gate = HeldGate()
     watchdog = threading.Timer(WATCHDOG_S, gate.set)
     watchdog.start()
     if name == "nixl":
         b._agent = _HeldAgent(b._agent, gate)  # stays: requests made inside are wrapped
+        gate.entered.set()  # a request is "in the engine" as soon as it is posted
+    elif name == "mori-fake":
+        b._engine._worker.submit(lambda job: (gate.entered.set(), gate.wait(), DONE)[2])
     else:
-        worker = b._engine._worker if name == "mori-fake" else b._worker
-        worker.submit(lambda job: (gate.wait(), DONE)[1])
+        submit = b._submit
+        b._submit = lambda h, run: submit(h, lambda job: (gate.entered.set(), gate.wait(), run(job))[2])
     try:
         yield gate
     finally:
@@ -443,7 +443,7 @@ def pair(name: str, backends: Any, size: int, **kw: Any) -> tuple[Backend, Backe
     return a, b, src, dst, a.add_peer(b.local_metadata())
 
 
-def assert_quiet_after(final: TransferStatus, dst: Any, src: Any, b: Backend) -> None:
+def assert_quiet_after(final: PollResult, dst: Any, src: Any, b: Backend) -> None:
     """A final state means the engine is done with the memory: nothing lands afterwards."""
     assert final.finished
     probe = dst.array[::4096].copy()  # one byte a page, taken in microseconds: before any straggler
@@ -563,6 +563,7 @@ def test_a_restarted_peer_is_taken_back_only_once_its_old_incarnations_transfers
     a, b1, src, dst1, old = pair(name, backends, size)
     with held(name, a) as gate:
         h = a.post(old, mib_table(src.address, dst1.address, size), b"old")
+        assert gate.entered.wait(10)  # started: a job still queued would just be skipped
         b2 = backends(name, agent_name=b1.agent_name)  # the new incarnation, same name
         dst2 = b2.allocate("dst", size)
         b2.register([dst2.region()])

@@ -14,13 +14,10 @@ import msgspec
 import numpy as np
 import pytest
 from pdwire.runtime.backends import Backend, PeerError, PeerMetadata, create_backend
-from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.session.failures import HandshakeError
-from pdwire.runtime.session.handshake import (
-    check_descriptors,
-    join_region_descs,
-    register_info,
-)
+from pdwire.runtime.session.hello import check_descriptors
+from pdwire.runtime.session.registration import join_region_descs, register_info
 
 from pdwire import wire
 

@@ -1,4 +1,4 @@
-"""The transfer-backend contract every engine adapter implements.
+"""The transfer-backend contract every engine adapter implements: :class:`Backend`.
 
 Who calls what
 --------------
@@ -9,13 +9,14 @@ worker threads inside, invisibly. The life cycle on each side is::
     b = create_backend("nixl", agent_name="decode-0")
     buf = b.allocate("kv", nbytes)          # or bring your own memory (not for "local")
     b.register([buf.region(), ...])         # region i keeps index i forever
-    md = b.local_metadata()                 # send to the peer (RegisterInfo on the wire)
+    md = b.local_metadata(for_peer="p0")    # send to the peer (RegisterInfo on the wire)
     peer = b.add_peer(peer_md)              # on the initiator (prefill) side
     h = b.post(peer, table, b"room-7:kv")   # one logical transfer, returns at once
     b.poll(h)                               # PENDING, DONE or FAILED(reason); never blocks
     b.cancel(h)                             # optional: ask the engine to stop; never blocks
     b.release(h)                            # once poll(h) is final
     b.receive_notifications()               # on the target (decode) side
+    b.revoke("p0")                          # target side: that peer's late writes land nowhere
     b.close()                               # idempotent; frees everything
 
 Guarantees
@@ -34,15 +35,28 @@ Guarantees
 * ``poll`` and ``cancel`` never block. ``cancel`` asks the engine to stop; ``poll`` then
   reports PENDING (reason ``"cancelling"``) until the engine confirms the transfer left
   both sides' memory alone, and then FAILED (the cancel's reason) or DONE if it completed
-  first. Every transfer ends: one not final within ``transfer_timeout_s`` of its post is
-  cancelled the same way by ``poll`` and reported FAILED ("not done after ...") once
-  confirmed. A dead peer makes its transfers FAILED; the backend stays usable for other
-  and new peers.
+  first. Every transfer ends: one not final within ``transfer_timeout_s`` of its start
+  (its post; for worker-thread engines, when a worker took it up, so that time queued
+  behind other transfers does not count) is cancelled the same way by ``poll`` and
+  reported FAILED ("not done after ...") once confirmed. A dead peer makes its transfers
+  FAILED; the backend stays usable for other and new peers.
 * ``release`` frees a handle. On a final handle it frees the engine's request at once; on
   one that is not final it cancels the transfer and keeps the engine's request until the
   engine confirms, retrying on later calls and waiting for it (bounded by
   ``close_wait_s``) at ``close``. Callers that must know when memory is safe to reuse
   cancel and poll to a final state first; ``release`` is the last step, not a fence.
+* Revocation (the target side's fence). ``local_metadata(for_peer=key)`` publishes
+  *windows* for ``key``: every registered region inside memory from :meth:`Backend.allocate`
+  is given to that peer at its own alias addresses (see :mod:`.window`); the planner keeps
+  using the owner's addresses, the initiator's backend adds the window's offset when it
+  posts. :meth:`Backend.revoke` cuts one peer's windows off: deregistered from the engine
+  and their addresses remapped to junk pages, so a write of that peer still in flight, or
+  posted later from stale metadata, changes no byte of the memory. It never waits for the
+  peer. The :class:`Revocation` it returns says whether it covered every region
+  (``effective``; memory the caller brought cannot be windowed) and from when the memory
+  may be reused (``settles_at``). The next ``local_metadata(for_peer=key)`` opens new
+  windows. Whether an engine's own final states mean its writes stopped is
+  ``final_states_fence`` (Mooncake's do not: measured, see ``docs/fencing.md``).
 * ``close`` releases every handle, peer, registration and buffer it created, and is
   idempotent. Buffers whose numpy views are still referenced are unmapped when the last
   view dies (the backing name, e.g. a /dev/shm file, is removed at close regardless).
@@ -56,222 +70,32 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
+from pdwire.runtime.backends.errors import (
+    BackendClosed,
+    DescriptorError,
+    PeerError,
+    RegistrationError,
+    TransferError,
+)
+from pdwire.runtime.backends.values import (
+    CANCELLING,
+    PENDING,
+    EngineNotification,
+    HostBuffer,
+    Peer,
+    PeerMetadata,
+    PollResult,
+    Revocation,
+    TransferHandle,
+    TransferState,
+    failed,
+)
+from pdwire.runtime.backends.window import SharedMemory, Window
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region, RegionColumns, outside_regions
-
-# --------------------------------------------------------------------------- errors
-
-
-class BackendError(Exception):
-    """Base of every error a backend raises on purpose."""
-
-
-class BackendUnavailable(BackendError):
-    """The named backend does not exist or its engine cannot be imported here."""
-
-
-class BackendClosed(BackendError):
-    """The backend was used after ``close()``."""
-
-
-class RegistrationError(BackendError):
-    """A region could not be registered (overlap, not backend memory, engine refusal)."""
-
-
-class PeerError(BackendError):
-    """Bad peer metadata, an unknown or removed peer, or a peer that is gone."""
-
-
-class DescriptorError(BackendError):
-    """A descriptor row lies outside the region it names; raised before anything moves."""
-
-
-class TransferError(BackendError):
-    """The engine refused to start a transfer or an unknown handle was used."""
-
-
-# --------------------------------------------------------------------------- values
-
-
-class TransferState(StrEnum):
-    PENDING = "PENDING"
-    DONE = "DONE"
-    FAILED = "FAILED"
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStatus:
-    state: TransferState
-    reason: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.state is not TransferState.PENDING
-
-
-PENDING = TransferStatus(TransferState.PENDING)
-CANCELLING = TransferStatus(TransferState.PENDING, "cancelling")  # cancel asked, engine not done yet
-DONE = TransferStatus(TransferState.DONE)
-
-
-def failed(reason: str) -> TransferStatus:
-    return TransferStatus(TransferState.FAILED, reason)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerMetadata:
-    """What one side publishes so the other can write into it.
-
-    Maps 1:1 onto the wire's RegisterInfo: ``agent_name``, an opaque ``agent_metadata``
-    blob (a versioned pdwire envelope holding the engine's own metadata and the region
-    list in registration order), and ``region_descs``: one engine-native memory
-    descriptor blob per region for engines that address memory by descriptor (MoRI);
-    empty for the others.
-    """
-
-    agent_name: str
-    agent_metadata: bytes
-    region_descs: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Notification:
-    peer_agent_name: str
-    payload: bytes
-
-
-@dataclass(eq=False)
-class Peer:
-    """A peer added with :meth:`Backend.add_peer`; pass it to :meth:`Backend.post`."""
-
-    agent_name: str
-    regions: tuple[Region, ...]
-    pid: int
-    engine: Any = None  # backend-private state (mapped segments, engine names, ...)
-    removed: bool = False
-    _columns: tuple[tuple[Region, ...], RegionColumns] | None = field(default=None, init=False, repr=False)
-
-    @property
-    def columns(self) -> RegionColumns:
-        """``regions`` as u64 columns, rebuilt only when ``regions`` is replaced."""
-        if self._columns is None or self._columns[0] is not self.regions:
-            self._columns = (self.regions, RegionColumns.of(self.regions))
-        return self._columns[1]
-
-
-@dataclass(eq=False)
-class TransferHandle:
-    """One posted transfer. Opaque to callers; backends keep their state in ``engine``."""
-
-    id: int
-    peer: Peer
-    nbytes: int
-    ndescs: int
-    deadline: float
-    engine: Any = None
-    status: TransferStatus = field(default=PENDING)
-    released: bool = False
-    cancel_reason: str | None = None  # set once a cancel was asked: the FAILED reason to report
-
-
-class HostBuffer:
-    """Writable host memory handed out by :meth:`Backend.allocate`.
-
-    ``array`` is a flat ``uint8`` numpy view (wrap it as a torch tensor with
-    ``torch.frombuffer(buf.array, dtype=torch.uint8)`` or view it with any dtype);
-    ``address`` is the absolute virtual address of byte 0.
-    """
-
-    def __init__(self, name: str, array: npt.NDArray[np.uint8]) -> None:
-        self.name = name
-        self.array = array
-
-    @property
-    def address(self) -> int:
-        return int(self.array.ctypes.data)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.array.nbytes)
-
-    def region(self, offset: int = 0, length: int | None = None, name: str | None = None) -> Region:
-        length = self.nbytes - offset if length is None else length
-        if offset < 0 or length <= 0 or offset + length > self.nbytes:
-            raise RegistrationError(
-                f"region [{offset}, {offset + length}) is outside buffer {self.name!r} of {self.nbytes} bytes"
-            )
-        return Region(self.address + offset, length, MemoryKind.DRAM, 0, name or self.name)
-
-
-# --------------------------------------------------------------------------- metadata envelope
-
-ENVELOPE_VERSION = 1
-
-
-class _Envelope(msgspec.Struct, array_like=True):
-    version: int
-    backend: str
-    agent_name: str
-    pid: int
-    regions: list[tuple[int, int, str, int, str]]
-    engine: bytes
-    extra: dict[str, Any] = {}
-
-
-def encode_envelope(
-    backend: str,
-    agent_name: str,
-    regions: Sequence[Region],
-    engine: bytes,
-    extra: dict[str, Any] | None = None,
-) -> bytes:
-    rows = [(r.base, r.length, r.kind.value, r.device_id, r.name) for r in regions]
-    env = _Envelope(ENVELOPE_VERSION, backend, agent_name, os.getpid(), rows, engine, extra or {})
-    return msgspec.msgpack.encode(env)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodedMetadata:
-    agent_name: str
-    pid: int
-    regions: tuple[Region, ...]
-    engine: bytes
-    extra: dict[str, Any]
-
-
-def decode_envelope(backend: str, md: PeerMetadata) -> DecodedMetadata:
-    try:
-        env = msgspec.msgpack.decode(md.agent_metadata, type=_Envelope)
-    except msgspec.DecodeError as exc:
-        raise PeerError(f"agent metadata of {md.agent_name!r} is not a pdwire envelope: {exc}") from None
-    if env.version != ENVELOPE_VERSION:
-        raise PeerError(
-            f"agent metadata of {md.agent_name!r} has envelope version {env.version}, "
-            f"this build reads {ENVELOPE_VERSION}"
-        )
-    if env.backend != backend:
-        raise PeerError(f"peer {md.agent_name!r} runs backend {env.backend!r}, this side runs {backend!r}")
-    if env.agent_name != md.agent_name:
-        raise PeerError(f"metadata names agent {env.agent_name!r} but was sent as {md.agent_name!r}")
-    regions = tuple(Region(b, n, MemoryKind(k), d, nm) for b, n, k, d, nm in env.regions)
-    return DecodedMetadata(env.agent_name, env.pid, regions, env.engine, env.extra)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host still exists (the local engines' liveness probe)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 # --------------------------------------------------------------------------- validation
 
@@ -330,6 +154,16 @@ def check_no_overlap(existing: Sequence[Region], new: Sequence[Region]) -> None:
 # --------------------------------------------------------------------------- the interface
 
 
+@dataclass(eq=False)
+class _PeerWindows:
+    """What one peer was given by ``local_metadata(for_peer=...)`` since its last revocation."""
+
+    windows: dict[int, Window] = field(default_factory=dict)  # id(SharedMemory) -> its window
+    deltas: list[int] = field(default_factory=list)  # per registered region; 0 = not windowed
+    tokens: list[Any] = field(default_factory=list)  # the engine's registrations of the windows
+    unwindowed: list[str] = field(default_factory=list)  # regions outside allocate()'d memory
+
+
 class Backend(abc.ABC):
     """Base class: bookkeeping, validation and timeouts; engines implement the ``_`` hooks.
 
@@ -356,6 +190,8 @@ class Backend(abc.ABC):
         self._removing: list[Peer] = []
         self._next_id = 1
         self._closed = False
+        self._shared: list[SharedMemory] = []  # what allocate() handed out: windowable
+        self._windows: dict[str, _PeerWindows] = {}
 
     # ---- memory
     def allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -364,6 +200,16 @@ class Backend(abc.ABC):
         if nbytes <= 0:
             raise RegistrationError(f"buffer {name!r}: nbytes must be positive, got {nbytes}")
         return self._allocate(name, nbytes)
+
+    def _shared_buffer(self, name: str, nbytes: int) -> HostBuffer:
+        """An ``allocate()`` result engines hand out: memfd-backed, so peers can get windows."""
+        try:
+            mem = SharedMemory(name, nbytes)
+        except OSError as exc:
+            raise RegistrationError(f"cannot allocate {nbytes} bytes for {name!r}: {exc}") from None
+        self._shared.append(mem)
+        assert mem.array is not None
+        return HostBuffer(name, mem.array)
 
     def register(self, regions: Sequence[Region]) -> list[int]:
         """Register regions; returns their indices (the ``src_region`` / ``dst_region`` values).
@@ -387,11 +233,97 @@ class Backend(abc.ABC):
     # The engine keeps one entry per remote agent name (NIXL, MoRI): a peer cannot be replaced
     # by a same-named one while the old one's transfers may still run.
     peers_keyed_by_name: bool = False
+    # Whether this engine's final states mean its writes stopped (the contract's promise). An
+    # engine that cannot keep it (Mooncake writes after reporting FAILED) says so here: its
+    # initiators' failure reports are no fence, and the target must revoke them instead.
+    final_states_fence: bool = True
+    # Whether every notification of a DONE transfer reaches the target. One that can be lost
+    # (Mooncake logs a send that failed during a cut and still reports the batch done) makes
+    # decode take a sender's Success status, sent after all its writes completed, as their proof.
+    notifications_reliable: bool = True
+    # Whether :meth:`wakeup_fds` turn readable when a posted transfer may have become final
+    # (``wakes_on_completion``) or a notification may have arrived (``wakes_on_notification``):
+    # a worker then blocks in its poller instead of polling the engine (see :mod:`.wakeup`).
+    wakes_on_completion: bool = False
+    wakes_on_notification: bool = False
+    # After a window is remapped, a copy already inside the kernel may still finish into the
+    # pages it pinned (process_vm_writev pins 16 at a time, then copies): reuse waits this long.
+    revoke_grace_s: float = 0.05
 
     # ---- peers
-    def local_metadata(self) -> PeerMetadata:
+    def local_metadata(self, for_peer: str | None = None) -> PeerMetadata:
+        """This side's metadata for a peer. With ``for_peer`` the peer is given its own windows
+        onto the registered memory (opened on first use, and again after :meth:`revoke`), so
+        that it can be revoked alone; without it, the registered addresses themselves."""
         self._check_open()
-        return self._local_metadata()
+        if for_peer is None:
+            return self._local_metadata(None)
+        pw = self._windows.setdefault(for_peer, _PeerWindows())
+        self._cover(pw)
+        return self._local_metadata(pw.deltas)
+
+    def _cover(self, pw: _PeerWindows) -> None:
+        """Give the peer a window onto every region registered since its windows were opened."""
+        new: list[Region] = []
+        for r in self.regions[len(pw.deltas) :]:
+            mem = next((m for m in self._shared if m.contains(r.base, r.length)), None)
+            if mem is None or r.kind is not MemoryKind.DRAM:
+                pw.deltas.append(0)
+                pw.unwindowed.append(r.name)
+                continue
+            w = pw.windows.get(id(mem))
+            if w is None:
+                try:
+                    w = pw.windows[id(mem)] = mem.open_window()
+                except OSError as exc:
+                    raise RegistrationError(f"cannot open a window onto {mem.name!r}: {exc}") from None
+            pw.deltas.append(w.delta)
+            new.append(Region(w.base + (r.base - mem.address), r.length, r.kind, r.device_id, r.name))
+        if new:
+            pw.tokens.append(self._register_window(new))
+
+    def revocation_blocker(self, for_peer: str) -> str | None:
+        """Why :meth:`revoke` of ``for_peer`` would not be effective (None: it would be): ask
+        before revoking, so that a peer that cannot be cut off is left undisturbed."""
+        pw = self._windows.get(for_peer)
+        if pw is None:
+            return f"no windows were published to {for_peer!r}: nothing it writes can be revoked"
+        if pw.unwindowed:
+            return (
+                f"regions {pw.unwindowed} cannot be windowed (only memory from allocate() of an engine "
+                "that writes through addresses can): writes into them cannot be revoked"
+            )
+        return None
+
+    def revoke(self, for_peer: str) -> Revocation:
+        """Cut ``for_peer`` off the memory: its windows are deregistered from the engine and
+        remapped to junk pages, so none of its writes, in flight or posted later from the
+        metadata it has, changes a byte of the memory. Never waits for the peer; reuse the
+        memory from ``settles_at`` on, and only if ``effective``. Idempotent per window set:
+        a second call without new metadata in between has nothing left to revoke."""
+        self._check_open()
+        now = time.monotonic()
+        pw = self._windows.pop(for_peer, None)
+        if pw is None:
+            why = f"no windows were published to {for_peer!r}: nothing it writes can be revoked"
+            return Revocation(for_peer, False, why, now)
+        problems: list[str] = []
+        for token in pw.tokens:
+            try:
+                self._unregister_window(token)  # first: on RDMA this is what invalidates the key
+            except Exception as exc:
+                problems.append(f"the engine refused to deregister a window: {exc}")
+        for w in pw.windows.values():
+            try:
+                w.revoke()
+            except OSError as exc:
+                problems.append(str(exc))
+        if pw.unwindowed:
+            problems.append(
+                f"regions {pw.unwindowed} cannot be windowed (only memory from allocate() of an engine "
+                "that writes through addresses can): writes into them cannot be revoked"
+            )
+        return Revocation(for_peer, not problems, "; ".join(problems), now + self.revoke_grace_s)
 
     def add_peer(self, metadata: PeerMetadata, regions: Sequence[Region] | None = None) -> Peer:
         """Make a peer writable. ``regions`` overrides the list carried in the metadata
@@ -474,7 +406,7 @@ class Backend(abc.ABC):
         self._next_id += 1
         return h
 
-    def poll(self, handle: TransferHandle) -> TransferStatus:
+    def poll(self, handle: TransferHandle) -> PollResult:
         """Non-blocking. PENDING until DONE or FAILED; final states never change.
 
         A final state means the engine no longer touches either side's memory for this
@@ -499,11 +431,11 @@ class Backend(abc.ABC):
         h.cancel_reason = reason
         self._cancel(h)
 
-    def _advance(self, h: TransferHandle) -> TransferStatus:
+    def _advance(self, h: TransferHandle) -> PollResult:
         """One look at the engine: the handle's state now, final only once the engine is done."""
         if h.status.finished:
             return h.status
-        if h.cancel_reason is None and time.monotonic() > h.deadline:
+        if h.cancel_reason is None and time.monotonic() > self._deadline(h):
             # Reporting FAILED now would let the caller reuse memory the engine may still
             # write; the timeout goes through the same confirmed cancel as cancel().
             self._request_cancel(
@@ -517,7 +449,7 @@ class Backend(abc.ABC):
         h.status = status
         return status
 
-    def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> TransferStatus:
+    def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> PollResult:
         """Poll until finished or ``timeout_s`` passes (returns PENDING then). Convenience."""
         end = time.monotonic() + (self.transfer_timeout_s + 1 if timeout_s is None else timeout_s)
         pause = 1e-5
@@ -563,7 +495,16 @@ class Backend(abc.ABC):
     def _unconfirmed(self) -> list[TransferHandle]:
         return [h for h in (*self._handles.values(), *self._draining.values()) if not h.status.finished]
 
-    def receive_notifications(self) -> list[Notification]:
+    def wakeup_fds(self) -> tuple[int, ...]:
+        """File descriptors a poller can wait on for this engine's news (none: poll it)."""
+        return ()
+
+    def clear_wakeups(self) -> None:
+        """Drain :meth:`wakeup_fds` (call before looking at the engine, so news that comes
+        after the look makes them readable again)."""
+        return None
+
+    def receive_notifications(self) -> list[EngineNotification]:
         """Notifications that arrived since the last call, oldest first per sender."""
         self._check_open()
         return self._receive_notifications()
@@ -592,6 +533,11 @@ class Backend(abc.ABC):
             self._removing.clear()
         finally:
             self._close()
+            # After the engine: windows are remapped to junk, never unmapped under a writer.
+            for mem in self._shared:
+                mem.close()
+            self._shared.clear()
+            self._windows.clear()
 
     @property
     def closed(self) -> bool:
@@ -602,6 +548,11 @@ class Backend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _deadline(self, handle: TransferHandle) -> float:
+        """When a transfer times out: ``transfer_timeout_s`` after its post, unless the engine
+        knows better (worker-thread engines count from when a thread started the job)."""
+        return handle.deadline
 
     # ---- helpers
     def _check_open(self) -> None:
@@ -621,7 +572,17 @@ class Backend(abc.ABC):
     def _register(self, regions: list[Region]) -> None: ...
 
     @abc.abstractmethod
-    def _local_metadata(self) -> PeerMetadata: ...
+    def _local_metadata(self, window: list[int] | None) -> PeerMetadata:
+        """This side's metadata; ``window`` (one offset per region, 0 = none) goes into the
+        envelope's ``extra["window"]`` so the initiator writes through the windows."""
+
+    def _register_window(self, regions: list[Region]) -> Any:
+        """Register one peer's window regions with the engine; returns what deregisters them.
+        Engines that write through addresses without registration keep the default."""
+        return None
+
+    def _unregister_window(self, token: Any) -> None:  # noqa: B027 (optional hook)
+        """Deregister what :meth:`_register_window` returned (called by :meth:`revoke`)."""
 
     @abc.abstractmethod
     def _add_peer(self, metadata: PeerMetadata) -> Peer: ...
@@ -633,7 +594,7 @@ class Backend(abc.ABC):
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None: ...
 
     @abc.abstractmethod
-    def _poll(self, handle: TransferHandle) -> TransferStatus:
+    def _poll(self, handle: TransferHandle) -> PollResult:
         """The engine's state of a transfer; never blocks. Return DONE or FAILED only when the
         engine no longer touches either side's memory for it (after :meth:`_cancel` too)."""
 
@@ -647,21 +608,7 @@ class Backend(abc.ABC):
         """Free the engine's request of a transfer :meth:`_poll` reported final."""
 
     @abc.abstractmethod
-    def _receive_notifications(self) -> list[Notification]: ...
+    def _receive_notifications(self) -> list[EngineNotification]: ...
 
     @abc.abstractmethod
     def _close(self) -> None: ...
-
-
-def aligned_zeros(nbytes: int, align: int = 4096) -> npt.NDArray[np.uint8]:
-    """Zeroed, page-aligned, pre-faulted host memory (writing the zeros faults every page in)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    arr = raw[off : off + nbytes]
-    arr.fill(0)
-    return arr
-
-
-def batches(n: int, max_rows: int) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of at most ``max_rows`` rows covering ``n`` rows."""
-    return [(s, min(s + max_rows, n)) for s in range(0, n, max_rows)]
