@@ -117,8 +117,8 @@ def codec_baseline(n: int = 20000) -> float:
 
 
 def measure(backend: str, rounds: int) -> dict[str, Any]:
-    from pdwire.runtime.demo_cluster import Cluster, busy_seconds
-    from pdwire.runtime.demo_model import Capacity, ModelSpec
+    from pdwire.runtime.demo.cluster import Cluster, busy_seconds
+    from pdwire.runtime.demo.model import Capacity, ModelSpec
 
     spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
                      ssm_heads=2, ssm_head_dim=4, ssm_state=4, swa_layers=1, swa_window_pages=1)  # fmt: skip

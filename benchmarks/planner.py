@@ -8,6 +8,12 @@ Model: page 64; 64 KV layers of 8 KV heads x 128 dims bf16; 48 Mamba layers (GDN
 buffer. For each case the planner is timed against a baseline written as a plain per-page,
 per-token Python loop (SGLang's formulas, #30997 scatter fix) that must produce the same
 descriptors; both are timed in the same run, medians reported.
+
+Layout ``vllm`` is the same model laid out the way vLLM's hybrid allocator does it: K and V
+interleaved per block (one buffer per layer, page stride = K + V), the Mamba conv state stored
+``[kernel-1, channels/TP]`` (the sharded axis after 3 rows, as Kimi-Linear) sharing one slot with
+the temporal state at an offset. Its loop adds the strides and offsets to SGLang's formulas and
+merges rows adjacent on both sides in one final sorted pass, as the planner does.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 from pdwire.runtime.descriptors import DescriptorTable
@@ -30,8 +37,8 @@ from pdwire.runtime.planner import (
     PeerPlan,
     RankMemory,
     RankPosition,
-    StateComponent,
     StateKind,
+    StatePool,
     StateTensor,
     decode_ranks_of_prefill,
     prepare_peer,
@@ -56,20 +63,26 @@ def _bases(start: int, count: int, stride: int) -> tuple[int, ...]:
     return tuple(start + i * stride for i in range(count))
 
 
-def memory(tp: int, rank: int, layout: Layout, base: int) -> RankMemory:
+CONV_ROWS = 3  # the vllm layout's conv state: [kernel-1, channels/TP] of bf16
+
+
+def memory(tp: int, rank: int, layout: Layout, base: int, vllm: bool = False) -> RankMemory:
     per_rank = HEADS // tp if tp <= HEADS else 1
     item = PAGE * per_rank * HEAD_BYTES
     stride = 1 << 32
+    k_bases = _bases(base, LAYERS, stride)
     kv = KvPool(
-        _bases(base, LAYERS, stride),
-        _bases(base + (1 << 40), LAYERS, stride),
-        (item * POOL_PAGES,) * LAYERS,
+        k_bases,
+        k_bases if vllm else _bases(base + (1 << 40), LAYERS, stride),
+        (item * POOL_PAGES * (2 if vllm else 1),) * LAYERS,
         item,
         PAGE,
         layout,
         per_rank,
         HEADS,
         HEAD_BYTES,
+        page_stride=2 * item if vllm else None,
+        v_offset=item if vllm else 0,
     )
 
     def tensor(
@@ -87,23 +100,24 @@ def memory(tp: int, rank: int, layout: Layout, base: int) -> RankMemory:
 
     conv_axis, temporal_axis = sum(CONV_BLOCKS) // tp, TEMPORAL_HEADS // tp
     conv_item, temporal_item = conv_axis * CONV_UNIT, temporal_axis * TEMPORAL_UNIT
-    mamba = StateComponent(
-        StateKind.MAMBA,
-        Indexing.SLOT,
-        (
-            tensor("conv", 2, MAMBA_LAYERS, conv_item, MAMBA_SLOTS, conv_axis, CONV_BLOCKS),
-            tensor("temporal", 3, MAMBA_LAYERS, temporal_item, MAMBA_SLOTS, temporal_axis),
-        ),
-    )
+    conv = tensor("conv", 2, MAMBA_LAYERS, conv_item, MAMBA_SLOTS, conv_axis, CONV_BLOCKS)
+    temporal = tensor("temporal", 3, MAMBA_LAYERS, temporal_item, MAMBA_SLOTS, temporal_axis)
+    if vllm:  # one slot holds conv [rows][axis][2 bytes], then temporal
+        slot = conv_item + temporal_item
+        conv = replace(conv, region_lens=(slot * MAMBA_SLOTS,) * MAMBA_LAYERS, slot_stride=slot,
+                       outer_rows=CONV_ROWS)  # fmt: skip
+        temporal = replace(temporal, base_addrs=conv.base_addrs, region_lens=conv.region_lens,
+                           slot_stride=slot, offset=conv_item)  # fmt: skip
+    mamba = StatePool(StateKind.MAMBA, Indexing.SLOT, (conv, temporal))
     swa_geometry = HeadGeometry(PAGE, layout, per_rank, HEADS, HEAD_BYTES)
-    swa = StateComponent(
+    swa = StatePool(
         StateKind.SWA,
         Indexing.PAGE,
         (tensor("k", 4, SWA_LAYERS, item, POOL_PAGES), tensor("v", 5, SWA_LAYERS, item, POOL_PAGES)),
         heads=swa_geometry,
     )
     dsa_item = PAGE * DSA_TOKEN_BYTES
-    dsa = StateComponent(
+    dsa = StatePool(
         StateKind.DSA,
         Indexing.PAGE,
         (tensor("indexer", 6, DSA_LAYERS, dsa_item, POOL_PAGES),),
@@ -152,8 +166,11 @@ def baseline_paged_heads(
     d_item: int,
     starts: tuple[int, int, int],
     layout: Layout,
+    strides: tuple[int, int] | None = None,
 ) -> Rows:
+    """``s_bases``/``d_bases``: address of item 0 of each buffer; ``strides``: page strides."""
     src_start, dst_start, heads = starts
+    s_stride, d_stride = strides or (s_item, d_item)
     s_tok, d_tok = s_item // PAGE, d_item // PAGE
     order = sorted(range(len(dst)), key=dst.__getitem__)
     rows: Rows = []
@@ -161,20 +178,20 @@ def baseline_paged_heads(
         layer_rows: Rows = []
         for i in order:
             if s_item == d_item and heads * HEAD_BYTES == s_tok:  # whole pages
-                _append(layer_rows, sb + src[i] * s_item, db + dst[i] * d_item, s_item)
+                _append(layer_rows, sb + src[i] * s_stride, db + dst[i] * d_stride, s_item)
             elif layout is Layout.NHD:
                 for t in range(PAGE):
                     _append(
                         layer_rows,
-                        sb + src[i] * s_item + t * s_tok + src_start * HEAD_BYTES,
-                        db + dst[i] * d_item + t * d_tok + dst_start * HEAD_BYTES,
+                        sb + src[i] * s_stride + t * s_tok + src_start * HEAD_BYTES,
+                        db + dst[i] * d_stride + t * d_tok + dst_start * HEAD_BYTES,
                         heads * HEAD_BYTES,
                     )
             else:
                 _append(
                     layer_rows,
-                    sb + src[i] * s_item + src_start * PAGE * HEAD_BYTES,
-                    db + dst[i] * d_item + dst_start * PAGE * HEAD_BYTES,
+                    sb + src[i] * s_stride + src_start * PAGE * HEAD_BYTES,
+                    db + dst[i] * d_stride + dst_start * PAGE * HEAD_BYTES,
                     heads * PAGE * HEAD_BYTES,
                 )
         rows += layer_rows
@@ -205,15 +222,25 @@ def baseline_mamba(
             else:
                 pieces.append((s_off + (d * dst_sub) % src_sub, d_off, dst_sub))
             s_off, d_off = s_off + src_sub, d_off + dst_sub
-        for s, dd, n in sorted(pieces, key=lambda piece: piece[1]):
-            _append(
-                layer_rows,
-                sb + s_slot * tensor_s.bytes_per_slot + s * unit,
-                db + d_slot * tensor_d.bytes_per_slot + dd * unit,
-                n * unit,
-            )
+        s_row, d_row = s_off * unit, d_off * unit  # bytes of one row on each side
+        for row in range(tensor_s.outer_rows):
+            for s, dd, n in sorted(pieces, key=lambda piece: piece[1]):
+                _append(
+                    layer_rows,
+                    sb + tensor_s.offset + s_slot * tensor_s.stride + row * s_row + s * unit,
+                    db + tensor_d.offset + d_slot * tensor_d.stride + row * d_row + dd * unit,
+                    n * unit,
+                )
         rows += layer_rows
     return rows
+
+
+def merge_adjacent(rows: Rows) -> Rows:
+    """Rows sorted by destination, merged where one ends where the next starts on both sides."""
+    merged: Rows = []
+    for s, d, n in sorted(rows, key=lambda row: row[1]):
+        _append(merged, s, d, n)
+    return merged
 
 
 def baseline(
@@ -228,22 +255,29 @@ def baseline(
     starts = _head_starts(lp.tp_size, lp.tp_rank, rp.tp_size, rp.tp_rank)
     assert local.kv is not None and remote.kv is not None
     lkv, rkv = local.kv, remote.kv
+    vllm = lkv.page_stride is not None
     rows = baseline_paged_heads(
         src_pages,
         dst_pages,
-        lkv.k_base_addrs + lkv.v_base_addrs,
-        rkv.k_base_addrs + rkv.v_base_addrs,
+        lkv.k_base_addrs + tuple(b + lkv.v_offset for b in lkv.v_base_addrs),
+        rkv.k_base_addrs + tuple(b + rkv.v_offset for b in rkv.v_base_addrs),
         lkv.bytes_per_page,
         rkv.bytes_per_page,
         starts,
         lkv.layout,
+        (lkv.stride, rkv.stride),
     )
+    if vllm:  # K and V of one block meet, and so do consecutive blocks
+        rows = merge_adjacent(rows)
     mamba_s, swa_s, dsa_s = local.state
     mamba_d, swa_d, dsa_d = remote.state
+    mamba_rows: Rows = []
     for ts, td in zip(mamba_s.tensors, mamba_d.tensors, strict=True):
         blocks = ts.sub_block_sizes or (ts.bytes_per_slot // (TEMPORAL_UNIT) * lp.tp_size,)
         unit = CONV_UNIT if ts.name == "conv" else TEMPORAL_UNIT
-        rows += baseline_mamba(
+        if ts.name == "conv" and ts.outer_rows > 1:
+            unit = CONV_UNIT // ts.outer_rows  # the rows split the conv taps off the channel axis
+        mamba_rows += baseline_mamba(
             ts,
             td,
             blocks,
@@ -255,6 +289,7 @@ def baseline(
             state_src[0][0],
             state_dst[0][0],
         )
+    rows += merge_adjacent(mamba_rows) if vllm else mamba_rows  # conv's last row meets temporal
     for ts, td in zip(swa_s.tensors, swa_d.tensors, strict=True):
         rows += baseline_paged_heads(
             state_src[1],
@@ -318,35 +353,37 @@ def main() -> None:
     header = ("case", "layout", "descriptors", "kv", "state", "planner ms", "loop ms", "speed-up", "Mdesc/s")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for p_tp, d_tp in ((4, 4), (2, 4), (4, 2)):
-        for layout in (Layout.NHD, Layout.HND):
-            local = memory(p_tp, 1, layout, 1 << 44)
-            remote = memory(d_tp, decode_ranks_of_prefill(p_tp, d_tp, 1)[-1], layout, 1 << 50)
-            plan = prepare_peer(local, remote)
+    cases = [
+        (p, d, layout, False) for p, d in ((4, 4), (2, 4), (4, 2)) for layout in (Layout.NHD, Layout.HND)
+    ]
+    cases += [(p, d, Layout.NHD, True) for p, d in ((4, 4), (2, 4), (4, 2))]
+    for p_tp, d_tp, layout, vllm in cases:
+        local = memory(p_tp, 1, layout, 1 << 44, vllm)
+        remote = memory(d_tp, decode_ranks_of_prefill(p_tp, d_tp, 1)[-1], layout, 1 << 50, vllm)
+        plan = prepare_peer(local, remote)
 
-            def run_planner(plan: PeerPlan = plan) -> object:
-                return plan.plan_request(src_pages, dst_pages, state_src, state_dst, aux=(3, 5))
+        def run_planner(plan: PeerPlan = plan) -> object:
+            return plan.plan_request(src_pages, dst_pages, state_src, state_dst, aux=(3, 5))
 
-            result = plan.plan_request(src_pages, dst_pages, state_src, state_dst, aux=(3, 5))
-            loop_rows = baseline(plan, src_pages.tolist(), dst_pages.tolist(), state_src, state_dst)
-            expected = np.asarray(loop_rows, dtype=np.uint64)
-            expected = expected[np.lexsort((expected[:, 1], expected[:, 0]))]
-            assert np.array_equal(_sorted_rows(result.table()), expected), "planner and loop disagree"
-            assert len(result.table().mergeable_pairs()) == 0
-            planner_s = _median_seconds(run_planner, args.repeats)
-            loop_s = _median_seconds(
-                lambda plan=plan: baseline(
-                    plan, src_pages.tolist(), dst_pages.tolist(), state_src, state_dst
-                ),
-                args.baseline_repeats,
-            )
-            counts = result.counts()
-            total = result.descriptor_count
-            print(
-                f"| P={p_tp} -> D={d_tp} | {layout.value} | {total} | {counts['kv']} | {counts['state']} | "
-                f"{planner_s * 1e3:.2f} | {loop_s * 1e3:.1f} | {loop_s / planner_s:.0f}x | "
-                f"{total / planner_s / 1e6:.1f} |"
-            )
+        result = plan.plan_request(src_pages, dst_pages, state_src, state_dst, aux=(3, 5))
+        loop_rows = baseline(plan, src_pages.tolist(), dst_pages.tolist(), state_src, state_dst)
+        expected = np.asarray(loop_rows, dtype=np.uint64)
+        expected = expected[np.lexsort((expected[:, 1], expected[:, 0]))]
+        assert np.array_equal(_sorted_rows(result.table()), expected), "planner and loop disagree"
+        assert len(result.table().mergeable_pairs()) == 0
+        planner_s = _median_seconds(run_planner, args.repeats)
+        loop_s = _median_seconds(
+            lambda plan=plan: baseline(plan, src_pages.tolist(), dst_pages.tolist(), state_src, state_dst),
+            args.baseline_repeats,
+        )
+        counts = result.counts()
+        total = result.descriptor_count
+        print(
+            f"| P={p_tp} -> D={d_tp} | {'vllm' if vllm else layout.value} | {total} | "
+            f"{counts['kv']} | {counts['state']} | "
+            f"{planner_s * 1e3:.2f} | {loop_s * 1e3:.1f} | {loop_s / planner_s:.0f}x | "
+            f"{total / planner_s / 1e6:.1f} |"
+        )
 
 
 if __name__ == "__main__":

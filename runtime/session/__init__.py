@@ -1,8 +1,12 @@
-"""Control plane and sessions: pure per-room state machines plus the pyzmq edge that drives them.
+"""The protocol's pure core: per-peer connection machines and per-room state machines.
 
-The pure core (``status``, ``failures``, ``actions``, ``prefill_room``, ``prefill_session``,
-``decode_room``, ``decode_session``, ``room_table``) takes values and returns actions, in the
-manner of h11; sockets, engines and clocks live only in the driver modules.
+Everything here takes values and returns values, in the manner of h11: the connection machines
+(``prefill_connection``, ``decode_connection``, with ``hello`` and ``registration``) turn decoded
+messages into typed ``events`` and actions into messages; the room machines (``prefill_room``,
+``prefill_session``, ``decode_room``, ``decode_session``, ``room_table``) turn events into
+``actions``; ``routing`` derives who feeds a decode rank once per prefill group, and
+``group_connect`` runs a decode rank's connect to one group without blocking. Sockets,
+engines and clocks live only in :mod:`pdwire.runtime.workers`.
 """
 
 from pdwire.runtime.session.actions import (
@@ -15,12 +19,13 @@ from pdwire.runtime.session.actions import (
     PostTransfer,
     ReleaseRoom,
     ReleaseSlots,
+    RevokePeer,
     SendAbort,
     SendAbortAck,
     SendStatus,
     StatePart,
 )
-from pdwire.runtime.session.decode_room import DecodeRoom, PartKind, SenderPlan
+from pdwire.runtime.session.decode_room import DecodeRoom, SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import (
     DuplicateRoomError,
@@ -36,7 +41,8 @@ from pdwire.runtime.session.failures import (
 )
 from pdwire.runtime.session.prefill_room import PrefillRoom, Target
 from pdwire.runtime.session.prefill_session import PrefillSession
-from pdwire.runtime.session.status import RoomStatus, merge_status
+from pdwire.runtime.session.status import Status, is_terminal, merge_status
+from pdwire.wire import NotificationKind
 
 __all__ = [
     "Action",
@@ -49,8 +55,8 @@ __all__ = [
     "FailureKind",
     "HandshakeError",
     "KvPart",
+    "NotificationKind",
     "Part",
-    "PartKind",
     "PeerRef",
     "PostTransfer",
     "PrefillRoom",
@@ -59,16 +65,18 @@ __all__ = [
     "RegistrationMismatch",
     "ReleaseRoom",
     "ReleaseSlots",
+    "RevokePeer",
     "RoomFailedError",
-    "RoomStatus",
     "SendAbort",
     "SendAbortAck",
     "SendStatus",
     "SenderPlan",
     "SessionError",
     "StatePart",
+    "Status",
     "Target",
     "failure_from_wire",
     "failure_to_wire",
+    "is_terminal",
     "merge_status",
 ]

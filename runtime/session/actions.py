@@ -6,15 +6,21 @@ driver performs them (encode and send a message, plan and post a transfer, free 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.failures import Failure
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.session.status import Status
+
+I32 = npt.NDArray[np.int32]
 
 
 @dataclass(frozen=True, slots=True)
 class PeerRef:
-    """One rank of one engine instance: the unit that handshakes and registers."""
+    """One rank of one engine instance: the unit that handshakes and registers. ``rank`` is the
+    peer's engine-wide rank (``ParallelRank.engine_rank``)."""
 
     engine_id: str
     rank: int
@@ -24,26 +30,43 @@ class PeerRef:
 
 
 # --- what a prefill rank posts for one target -------------------------------------------
+# A part carries the source and destination indices it writes, so the edge plans and posts it
+# from the action alone. Equality is the part's identity (which chunk, which component); the
+# index arrays ride along and are not compared.
+
+
+def _no_indices() -> I32:
+    return np.zeros(0, dtype=np.int32)
 
 
 @dataclass(frozen=True, slots=True)
 class KvPart:
-    """KV pages of one prefill chunk; ``start``/``stop`` are page positions in the prompt."""
+    """KV pages of one prefill chunk; ``start``/``stop`` are page positions in the prompt, ``src``
+    and ``dst`` the pages this target gets of them (none of those decode already holds)."""
 
     chunk_id: int
     start: int
     stop: int
     is_last: bool
+    src: I32 = field(default_factory=_no_indices, compare=False, repr=False)
+    dst: I32 = field(default_factory=_no_indices, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class StatePart:
+    """One state component: source and destination indices (one each for a slot component)."""
+
     component: int
+    src: I32 = field(default_factory=_no_indices, compare=False, repr=False)
+    dst: I32 = field(default_factory=_no_indices, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class AuxPart:
-    pass
+    """The request's aux item: source and destination item indices."""
+
+    src: int = field(default=0, compare=False)
+    dst: int = field(default=0, compare=False)
 
 
 Part = KvPart | StatePart | AuxPart
@@ -78,8 +101,20 @@ class CancelTransfers:
 class SendStatus:
     peer: PeerRef
     room: int
-    status: RoomStatus
+    status: Status
     failure: Failure | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SendRequest:
+    """Decode asks one prefill rank for ``room``: a TransferRequest with ``indices`` (empty for a
+    dummy sender, which is told only so that its room advances)."""
+
+    peer: PeerRef
+    room: int
+    is_dummy: bool
+    required: int  # required_dst_info_num: how many decode ranks that prefill rank waits for
+    indices: RequestIndices
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +140,7 @@ class ReleaseRoom:
     """
 
     room: int
-    status: RoomStatus
+    status: Status
     failure: Failure | None
 
 
@@ -114,13 +149,39 @@ class ReleaseSlots:
     """A decode room's destination slots are the engine's again: no sender writes into them.
 
     Follows ``ReleaseRoom(SUCCESS)`` at once (every write completed). For a failed room it
-    waits until every sender that could write has fenced (a Failed or Success status, an
-    AbortAck, or the sender is gone) or until the fence timeout; ``unfenced`` names the
-    senders the timeout gave up on (empty when every sender fenced).
+    waits until every sender that could write has fenced: a Success status, a Failed status
+    or AbortAck from a sender whose reports are fences, or the sender's revocation (its
+    access to the memory was cut off); ``revoked`` names the senders fenced that way. A
+    timeout alone never releases slots.
     """
 
     room: int
-    unfenced: tuple[PeerRef, ...] = ()
+    revoked: tuple[PeerRef, ...] = ()
 
 
-Action = PostTransfer | CancelTransfers | SendStatus | SendAbort | SendAbortAck | ReleaseRoom | ReleaseSlots
+@dataclass(frozen=True, slots=True)
+class RevokePeer:
+    """Cut ``peer`` off this decode rank's memory (``Backend.revoke``), because it may still
+    write into a failed room's slots and cannot say that it stopped (it is gone, silent past
+    the fence timeout, or its engine's reports are no fence).
+
+    The edge answers with ``DecodeSession.on_peer_lost`` at once if it revoked (every live
+    room of the peer fails: its writes now go nowhere) and ``on_revoked`` once the revocation
+    settled, or with ``on_unrevocable`` (the slots then stay quarantined). The peer writes
+    here again only after it registered again (new windows).
+    """
+
+    peer: PeerRef
+
+
+Action = (
+    PostTransfer
+    | CancelTransfers
+    | SendStatus
+    | SendRequest
+    | SendAbort
+    | SendAbortAck
+    | ReleaseRoom
+    | ReleaseSlots
+    | RevokePeer
+)

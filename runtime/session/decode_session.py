@@ -6,42 +6,60 @@ never reaches (or confuses) a prefill rank.
 
 A failed room is buried (tombstone: its late completions are stray, not failures) but stays
 *quarantined* until its slots are released (see :mod:`.decode_room`): statuses, AbortAcks,
-lost peers and ticks still reach it.
+lost peers, revocations and ticks still reach it.
+
+Revocation: a peer that is lost, or that a quarantined room still waits for past its fence
+deadline, is asked to be revoked (:class:`~.actions.RevokePeer`, once until answered). The
+edge answers :meth:`on_peer_lost` when it cut the peer off (its live rooms fail: what it
+writes now goes nowhere), then :meth:`on_revoked` once that settled (the peer is fenced in
+every room), or :meth:`on_unrevocable` when it cannot revoke: the rooms waiting for that peer
+then stay quarantined (``unrevocable`` says why) until a real fence arrives, never released
+by a timeout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots
-from pdwire.runtime.session.decode_room import DecodeRoom, PartKind, SenderPlan
+from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots, RevokePeer
+from pdwire.runtime.session.decode_room import DecodeRoom, SenderPlan
 from pdwire.runtime.session.failures import DuplicateRoomError, Failure
 from pdwire.runtime.session.room_table import RoomTable
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.session.status import Status
+from pdwire.wire import NotificationKind
 
 
-class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
+class DecodeSession(RoomTable[DecodeRoom, Status]):
     """Live rooms by id; ``tombstones`` holds the final status of recently finished ones and
     ``quarantined`` the failed ones whose slots are not released yet.
 
     ``fence_timeout_s`` (default twice the room timeout: longer than any transfer may take)
     bounds how long past its deadline a failed room waits for a silent sender.
+    ``status_completes``: a sender's Success status stands for its notifications (engines
+    whose ``notifications_reliable`` is False).
     """
 
     def __init__(
-        self, room_timeout_s: float = 30.0, tombstones: int = 65536, fence_timeout_s: float | None = None
+        self,
+        room_timeout_s: float = 30.0,
+        tombstones: int = 65536,
+        fence_timeout_s: float | None = None,
+        status_completes: bool = False,
     ) -> None:
         super().__init__(room_timeout_s, tombstones)
         self.fence_timeout_s = 2 * room_timeout_s if fence_timeout_s is None else fence_timeout_s
+        self.status_completes = status_completes  # see DecodeRoom: for engines that lose notifications
         self.quarantined: dict[int, DecodeRoom] = {}
         self.stray_completions = 0  # completions for rooms already over (late, harmless)
+        self.revoking: set[PeerRef] = set()  # RevokePeer asked, not answered yet
+        self.unrevocable: dict[PeerRef, str] = {}  # peers the edge cannot revoke, and why
 
     def start_room(
         self, room: int, senders: Sequence[SenderPlan], now: float, timeout_s: float | None = None
     ) -> DecodeRoom:
         self.check_free(room)
         deadline = now + (self.room_timeout_s if timeout_s is None else timeout_s)
-        r = DecodeRoom(room, senders, deadline, self.fence_timeout_s)
+        r = DecodeRoom(room, senders, deadline, self.fence_timeout_s, self.status_completes)
         self.rooms[room] = r
         return r
 
@@ -57,6 +75,7 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
             raise DuplicateRoomError(room, f"finished {self.tombstones[room].name} recently")
 
     def _settle(self, actions: list[Action]) -> list[Action]:
+        out: list[Action] = []
         for a in actions:
             if isinstance(a, ReleaseRoom):
                 r = self.rooms[a.room]
@@ -65,7 +84,12 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
                     self.quarantined[a.room] = r
             elif isinstance(a, ReleaseSlots):
                 self.quarantined.pop(a.room, None)
-        return actions
+            elif isinstance(a, RevokePeer):
+                if a.peer in self.revoking or a.peer in self.unrevocable:
+                    continue  # asked already (rooms ask on every tick past their fence deadline)
+                self.revoking.add(a.peer)
+            out.append(a)
+        return out
 
     def _fenced_room(self, room: int) -> DecodeRoom | None:
         """The room a fence event is for: live, or failed and still quarantined."""
@@ -75,18 +99,25 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
         self,
         room: int,
         sender: int,
-        kind: PartKind,
+        kind: NotificationKind,
         chunk_id: int = 0,
         is_last: bool = False,
         component: int = 0,
+        chunk_count: int = 1,
+        also_components: Sequence[int] = (),
+        also_aux: bool = False,
     ) -> list[Action]:
         r = self.rooms.get(room)
         if r is None:
             self.stray_completions += 1
             return []
-        return self._settle(r.on_notification(sender, kind, chunk_id, is_last, component))
+        return self._settle(
+            r.on_notification(
+                sender, kind, chunk_id, is_last, component, chunk_count, also_components, also_aux
+            )
+        )
 
-    def on_status(self, room: int, sender: int, status: RoomStatus, failure: Failure | None) -> list[Action]:
+    def on_status(self, room: int, sender: int, status: Status, failure: Failure | None) -> list[Action]:
         r = self._fenced_room(room)
         return [] if r is None else self._settle(r.on_status(sender, status, failure))
 
@@ -94,11 +125,34 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
         r = self._fenced_room(room)
         return [] if r is None else self._settle(r.on_abort_ack(sender))
 
-    def on_peer_lost(self, peer: PeerRef) -> list[Action]:
-        actions = super().on_peer_lost(peer)
-        for r in list(self.quarantined.values()):
-            actions += self._settle(r.on_peer_lost(peer))
+    def on_peer_lost(self, peer: PeerRef, detail: str | None = None) -> list[Action]:
+        """``peer`` is gone, or the edge just cut it off: its live rooms fail. A peer that is
+        gone fences nothing by that (a stopped process resumes, a closed connection's buffered
+        bytes still land), so it is revoked unless this is the edge answering a revocation."""
+        actions: list[Action] = []
+        for r in list(self.rooms.values()):
+            actions += self._settle(r.on_peer_lost(peer, detail))
+        if peer not in self.revoking and any(peer in r.unfenced() for r in self.quarantined.values()):
+            actions += self._settle([RevokePeer(peer)])
         return actions
+
+    def on_revoked(self, peer: PeerRef) -> list[Action]:
+        """The edge revoked ``peer`` and the revocation settled: nothing it writes lands here."""
+        self.revoking.discard(peer)
+        actions: list[Action] = []
+        for r in [*self.rooms.values(), *self.quarantined.values()]:
+            actions += self._settle(r.on_revoked(peer))
+        return actions
+
+    def on_unrevocable(self, peer: PeerRef, reason: str) -> list[Action]:
+        """The edge cannot revoke ``peer`` (``reason``): rooms waiting for it stay quarantined."""
+        self.revoking.discard(peer)
+        self.unrevocable[peer] = reason
+        return []
+
+    def on_reregistered(self, peer: PeerRef) -> None:
+        """``peer`` registered again (new windows): it may be asked to be revoked again."""
+        self.unrevocable.pop(peer, None)
 
     def on_tick(self, now: float) -> list[Action]:
         actions = super().on_tick(now)
@@ -106,6 +160,13 @@ class DecodeSession(RoomTable[DecodeRoom, RoomStatus]):
             if now >= r.fence_deadline:
                 actions += self._settle(r.on_tick(now))
         return actions
+
+    def status(self, room: int) -> Status | None:
+        """The room's status: live, quarantined (failed) or recently finished; None if unknown."""
+        r = self.rooms.get(room) or self.quarantined.get(room)
+        if r is not None:
+            return r.status
+        return self.tombstones.get(room)
 
     def abort(self, room: int, failure: Failure) -> list[Action]:
         r = self.rooms.get(room)

@@ -4,70 +4,75 @@ From protocol 1.2 the kind travels typed, in ``TransferStatus.failure_kind`` (an
 ``RegisterAck.failure_kind``), and ``reason`` holds the detail alone. Peers that agreed on 1.1
 or older carry it as a ``"<kind>: <detail>"`` prefix of ``TransferStatus.reason`` so the far
 side can rebuild the same typed :class:`Failure`; :func:`failure_to_wire` and
-:func:`failure_from_wire` pick the form by the agreed version. A kind the wire enum lacks
-(``REMOTE``) always travels in the prefix form with ``failure_kind`` unspecified.
+:func:`failure_from_wire` pick the form by the agreed version. The kinds are the wire's own
+enum (``pdwire.wire.FailureKind``); ``UNSPECIFIED`` is a failure of unknown kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-from pdwire import wire
+from pdwire.wire import FailureKind, features
 
-
-class FailureKind(StrEnum):
-    ENGINE_ERROR = "engine_error"  # the transfer engine refused or failed a post
-    PEER_GONE = "peer_gone"  # the peer process or connection went away
-    TIMEOUT = "timeout"  # the room outlived its deadline
-    VALIDATION = "validation"  # a message was well-formed but wrong for this room or peer
-    DUPLICATE_ROOM = "duplicate_room"  # a room id already in use
-    ABORTED = "aborted"  # the other side (or the local owner) aborted the room
-    HANDSHAKE = "handshake"  # the peer was refused at the handshake
-    REMOTE = "remote"  # the peer reported a failure whose kind this side does not know
+__all__ = [
+    "DuplicateRoomError",
+    "Failure",
+    "FailureKind",
+    "HandshakeError",
+    "ProtocolViolation",
+    "RegistrationMismatch",
+    "RoomFailedError",
+    "SessionError",
+    "failure_from_wire",
+    "failure_to_wire",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
+    """Why a room (or a registration) failed: the wire's :class:`FailureKind` and a detail.
+
+    ``UNSPECIFIED`` is a failure whose kind is not known: a peer older than 1.2 that gave no
+    ``"<kind>: "`` prefix, or a status without a reason.
+    """
+
     kind: FailureKind
     detail: str
 
     @property
     def reason(self) -> str:
-        return f"{self.kind.value}: {self.detail}"
+        """The detail with its kind as a ``"<kind>: "`` prefix (the form peers before 1.2 carry)."""
+        if self.kind == FailureKind.UNSPECIFIED:
+            return self.detail
+        return f"{self.kind.name.lower()}: {self.detail}"
 
     @classmethod
     def parse(cls, reason: str) -> Failure:
-        """Inverse of :attr:`reason`; an unknown or missing kind becomes ``REMOTE``."""
+        """Inverse of :attr:`reason`; an unknown or missing kind becomes ``UNSPECIFIED``."""
         head, sep, tail = reason.partition(": ")
-        if sep:
-            try:
-                return cls(FailureKind(head), tail)
-            except ValueError:
-                pass
-        return cls(FailureKind.REMOTE, reason)
+        kind = FailureKind.__members__.get(head.upper()) if sep and head.islower() else None
+        if kind is None or kind == FailureKind.UNSPECIFIED:
+            return cls(FailureKind.UNSPECIFIED, reason)
+        return cls(kind, tail)
 
 
-TYPED_FAILURES_SINCE = (1, 2)  # first version with FailureKind on the wire
+TYPED_FAILURES_SINCE = features.field_since("TransferStatus", "failure_kind")
 
 
-def failure_to_wire(failure: Failure | None, version: tuple[int, int] | None) -> tuple[wire.FailureKind, str]:
+def failure_to_wire(failure: Failure | None, version: tuple[int, int] | None) -> tuple[FailureKind, str]:
     """``(failure_kind, reason)`` to send at ``version`` (None: not agreed yet, the oldest form)."""
     if failure is None:
-        return wire.FailureKind.UNSPECIFIED, ""
-    kind = wire.FailureKind.__members__.get(failure.kind.name)
-    if kind is None or version is None or version < TYPED_FAILURES_SINCE:
-        return wire.FailureKind.UNSPECIFIED, failure.reason
-    return kind, failure.detail
+        return FailureKind.UNSPECIFIED, ""
+    if version is None or version < TYPED_FAILURES_SINCE:
+        return FailureKind.UNSPECIFIED, failure.reason
+    return failure.kind, failure.detail
 
 
-def failure_from_wire(kind: wire.FailureKind, reason: str) -> Failure:
+def failure_from_wire(kind: FailureKind | int, reason: str) -> Failure:
     """Inverse of :func:`failure_to_wire`: a typed kind wins; unspecified reads the reason prefix."""
-    if kind != wire.FailureKind.UNSPECIFIED:
-        try:
-            return Failure(FailureKind[wire.FailureKind(kind).name], reason)
-        except (KeyError, ValueError):  # a kind this build does not know: keep it, untyped
-            return Failure(FailureKind.REMOTE, f"{int(kind)}: {reason}")
+    if kind != FailureKind.UNSPECIFIED:
+        # the decoder refuses numbers this build does not know, so the kind is one of ours
+        return Failure(FailureKind(kind), reason)
     return Failure.parse(reason)
 
 

@@ -4,6 +4,14 @@ Bootstrapping (collecting ``required_dst_info_num`` transfer requests) -> Waitin
 (all requests in, waiting for chunked prefill to produce pages) -> Transferring (posts in
 flight) -> Success | Failed (draining while transfers stop) -> ended.
 
+Every event carries its indices: a target's request brings the destination pages, state
+indices and aux item it asked for (:class:`Destination`), each chunk the source pages the
+engine produced, the last chunk also the source state indices and aux item. So every
+``PostTransfer`` is self-contained: the edge plans and posts it without looking anything up.
+Pages decode already holds (its ``decode_prefix_len``) are skipped per target, and a target
+whose page list does not line up with what the engine produced fails the room, never a
+partial Success.
+
 Chunks the engine produces before every request has arrived are remembered and posted as
 soon as the last request comes in. Every non-dummy target gets every KV chunk, in order;
 after its last KV chunk it gets each of its state components and then its aux part (aux
@@ -21,10 +29,12 @@ prefill rank means: nothing of this room is in flight here any more.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 from pdwire.runtime.session.actions import (
+    I32,
     Action,
     AuxPart,
     CancelTransfers,
@@ -38,7 +48,22 @@ from pdwire.runtime.session.actions import (
     StatePart,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, ProtocolViolation
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.session.status import Status, is_terminal
+
+
+def _none() -> I32:
+    return np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Destination:
+    """What one decode rank asked for: its KV pages after the ``skip_pages`` it already holds,
+    per state component its indices (empty: not sent), and its aux item (-1: none)."""
+
+    kv_pages: I32 = field(default_factory=_none)
+    state: tuple[I32, ...] = ()
+    aux_index: int = -1
+    skip_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +74,15 @@ class Target:
     is_dummy: bool
     components: tuple[int, ...] = ()  # state components to send (non-empty on both sides)
     sends_aux: bool = False  # this prefill rank is the aux owner for that decode rank
+    dst: Destination = field(default_factory=Destination, compare=False)
+
+    @classmethod
+    def of(cls, peer: PeerRef, is_dummy: bool, writes_aux: bool, dst: Destination) -> Target:
+        """The target a request makes: the components it asks for, aux if this rank writes it."""
+        if is_dummy:
+            return cls(peer, True, (), False, Destination())
+        comps = tuple(i for i, idx in enumerate(dst.state) if len(idx) > 0)
+        return cls(peer, False, comps, writes_aux and dst.aux_index >= 0, dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,17 +91,20 @@ class Chunk:
     start: int
     stop: int
     is_last: bool
+    pages: I32  # the source pages of positions [start, stop)
 
 
 class PrefillRoom:
     def __init__(self, room: int, deadline: float, next_xfer_id: Callable[[], int]) -> None:
         self.room = room
         self.deadline = deadline
-        self.status = RoomStatus.BOOTSTRAPPING
+        self.status = Status.BOOTSTRAPPING
         self.failure: Failure | None = None
         self.required: int | None = None
         self.targets: dict[PeerRef, Target] = {}
         self.chunks: list[Chunk] = []
+        self.source_state: tuple[I32 | None, ...] | None = None  # with the last chunk
+        self.source_aux: int | None = None
         self.outstanding: dict[int, tuple[PeerRef, Part]] = {}
         self._next_xfer_id = next_xfer_id
         self._not_told: set[PeerRef] = set()  # gets no Failed status: it failed the room, or is gone
@@ -85,12 +122,12 @@ class PrefillRoom:
 
     @property
     def finished(self) -> bool:
-        return self.status.terminal
+        return is_terminal(self.status)
 
     @property
     def draining(self) -> bool:
         """Failed, with transfers the engine has not confirmed stopped yet."""
-        return self.status is RoomStatus.FAILED and bool(self.outstanding)
+        return self.status is Status.FAILED and bool(self.outstanding)
 
     # -- events ----------------------------------------------------------------------
 
@@ -112,25 +149,33 @@ class PrefillRoom:
         self.targets[target.peer] = target
         if not self.all_requests_in:
             return []
-        self.status = RoomStatus.WAITING_FOR_INPUT
+        self.status = Status.WAITING_FOR_INPUT
         actions: list[Action] = []
         for chunk in self.chunks:  # chunks produced before the last request arrived
             actions += self._post_chunk(chunk)
+            if self.finished:  # a request did not fit what was produced
+                return actions
         return actions + self._maybe_succeed()
 
-    def on_chunk(self, start: int, stop: int, is_last: bool) -> list[Action]:
-        """Chunked prefill produced pages ``[start, stop)`` of the prompt."""
+    def on_chunk(
+        self,
+        pages: I32,
+        is_last: bool,
+        state: Sequence[I32 | None] | None = None,
+        aux_index: int | None = None,
+    ) -> list[Action]:
+        """Chunked prefill produced the next ``pages`` (source page ids) of the prompt; the last
+        chunk brings the source ``state`` indices (per component, None: not given) and aux item."""
         if self.finished:
             return []
         if self.last_chunk_seen:
             raise ProtocolViolation(f"room {self.room}: chunk after the last chunk")
-        expected_start = self.chunks[-1].stop if self.chunks else 0
-        if stop < start or start != expected_start:
-            raise ProtocolViolation(
-                f"room {self.room}: chunk [{start}, {stop}) must start at page {expected_start}"
-            )
-        chunk = Chunk(len(self.chunks), start, stop, is_last)
+        start = self.chunks[-1].stop if self.chunks else 0
+        chunk = Chunk(len(self.chunks), start, start + len(pages), is_last, pages)
         self.chunks.append(chunk)
+        if is_last:
+            self.source_state = None if state is None else tuple(state)
+            self.source_aux = aux_index
         if not self.all_requests_in:
             return []
         return self._post_chunk(chunk) + self._maybe_succeed()
@@ -154,6 +199,12 @@ class PrefillRoom:
         return self._xfer_ended(xfer_id, lambda _peer, _part: failure)
 
     def on_abort(self, peer: PeerRef) -> list[Action]:
+        if not self.targets and not self.finished:
+            # no decode rank asked yet: a decode rank declines the room (its engine will never
+            # ask for it), so the source pages are released now instead of at the deadline
+            return self._fail(
+                Failure(FailureKind.ABORTED, f"declined by {peer} before any request"), ack=peer
+            )
         if peer not in self.targets or (self.finished and not self.draining):
             # Only a requester may abort the room: another engine that reused the room id
             # (and was refused as a duplicate) aborts *its* attempt, not this one. Nothing of
@@ -199,28 +250,59 @@ class PrefillRoom:
     def _post(self, peer: PeerRef, part: Part) -> PostTransfer:
         xfer_id = self._next_xfer_id()
         self.outstanding[xfer_id] = (peer, part)
-        self.status = RoomStatus.TRANSFERRING
+        self.status = Status.TRANSFERRING
         return PostTransfer(xfer_id, self.room, peer, part)
 
+    def _parts(self, t: Target, chunk: Chunk) -> list[Part] | str:
+        """What ``t`` gets of ``chunk``, or why its request does not fit what the engine produced."""
+        dst, skip = t.dst, t.dst.skip_pages
+        lo = max(chunk.start, skip)
+        hi = max(chunk.stop, lo)
+        if hi - skip > len(dst.kv_pages) or (chunk.is_last and chunk.stop - skip != len(dst.kv_pages)):
+            # The chunks slice the destination list; a longer list would leave its tail
+            # unwritten while both sides report Success, a shorter one has no room for the rest.
+            produced = f"{chunk.stop}" if chunk.is_last else f"at least {chunk.stop}"
+            return (
+                f"prefill produced {produced} KV pages ({skip} of them already on decode), "
+                f"{t.peer} asked for {len(dst.kv_pages)}"
+            )
+        parts: list[Part] = [
+            KvPart(
+                chunk.chunk_id, chunk.start, chunk.stop, chunk.is_last,
+                chunk.pages[lo - chunk.start : hi - chunk.start], dst.kv_pages[lo - skip : hi - skip],
+            )
+        ]  # fmt: skip
+        if not chunk.is_last:
+            return parts
+        given = self.source_state or ()
+        for c in t.components:
+            src = given[c] if c < len(given) else None
+            if src is None:
+                return f"{t.peer} asks for state component {c}; the engine gave no source index for it"
+            parts.append(StatePart(c, src, dst.state[c]))
+        if t.sends_aux:
+            if self.source_aux is None:
+                return f"{t.peer} asks for aux; the engine gave no source aux index"
+            parts.append(AuxPart(self.source_aux, dst.aux_index))
+        return parts
+
     def _post_chunk(self, chunk: Chunk) -> list[Action]:
-        actions: list[Action] = []
+        owed: list[tuple[PeerRef, list[Part]]] = []
         for target in self.targets.values():
             if target.is_dummy:
                 continue
-            kv = KvPart(chunk.chunk_id, chunk.start, chunk.stop, chunk.is_last)
-            actions.append(self._post(target.peer, kv))
-            if chunk.is_last:
-                actions += [self._post(target.peer, StatePart(c)) for c in target.components]
-                if target.sends_aux:
-                    actions.append(self._post(target.peer, AuxPart()))
-        return actions
+            parts = self._parts(target, chunk)
+            if isinstance(parts, str):  # checked for every target before anything is posted
+                return self._fail(Failure(FailureKind.VALIDATION, parts))
+            owed.append((target.peer, parts))
+        return [self._post(peer, part) for peer, parts in owed for part in parts]
 
     def _maybe_succeed(self) -> list[Action]:
-        if not (self.all_requests_in and self.last_chunk_seen and not self.outstanding):
+        if self.finished or not (self.all_requests_in and self.last_chunk_seen and not self.outstanding):
             return []
-        self.status = RoomStatus.SUCCESS
-        actions: list[Action] = [SendStatus(p, self.room, RoomStatus.SUCCESS) for p in self.targets]
-        actions.append(ReleaseRoom(self.room, RoomStatus.SUCCESS, None))
+        self.status = Status.SUCCESS
+        actions: list[Action] = [SendStatus(p, self.room, Status.SUCCESS) for p in self.targets]
+        actions.append(ReleaseRoom(self.room, Status.SUCCESS, None))
         return actions
 
     def _xfer_ended(self, xfer_id: int, failure: Callable[[PeerRef, Part], Failure] | None) -> list[Action]:
@@ -237,7 +319,7 @@ class PrefillRoom:
     def _fail(
         self, failure: Failure, skip: PeerRef | None = None, ack: PeerRef | None = None
     ) -> list[Action]:
-        self.status = RoomStatus.FAILED
+        self.status = Status.FAILED
         self.failure = failure
         if skip is not None:
             self._not_told.add(skip)
@@ -253,11 +335,9 @@ class PrefillRoom:
         assert self.failure is not None and not self.outstanding
         failure = self.failure
         actions: list[Action] = [
-            SendStatus(p, self.room, RoomStatus.FAILED, failure)
-            for p in self.targets
-            if p not in self._not_told
+            SendStatus(p, self.room, Status.FAILED, failure) for p in self.targets if p not in self._not_told
         ]
         actions += [SendAbortAck(p, self.room) for p in self._acks_owed]
         self._acks_owed = []
-        actions.append(ReleaseRoom(self.room, RoomStatus.FAILED, failure))
+        actions.append(ReleaseRoom(self.room, Status.FAILED, failure))
         return actions

@@ -8,9 +8,11 @@ or ``duplicate_room``) instead of silently opening a room that would never compl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdwire.runtime.session.actions import (
+    I32,
     Action,
     PeerRef,
     PostTransfer,
@@ -21,14 +23,15 @@ from pdwire.runtime.session.actions import (
 from pdwire.runtime.session.failures import Failure, FailureKind
 from pdwire.runtime.session.prefill_room import PrefillRoom, Target
 from pdwire.runtime.session.room_table import RoomTable
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.session.status import Status
 
 
 @dataclass(frozen=True, slots=True)
 class Tombstone:
-    status: RoomStatus
+    status: Status
     failure: Failure | None
     peers: frozenset[PeerRef]
+    declined: bool = False  # a decode rank declined the room before the engine produced any of it
 
 
 class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
@@ -74,10 +77,10 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
             # anything else reusing a finished id is a duplicate. Nothing was ever posted to
             # this peer for the room, so its answer needs no drain.
             same_engine = not dead.peers or peer.engine_id in {p.engine_id for p in dead.peers}
-            failed = dead.status is RoomStatus.FAILED and dead.failure is not None
+            failed = dead.status is Status.FAILED and dead.failure is not None
             if failed and same_engine and peer not in dead.peers:
                 assert dead.failure is not None
-                return [SendStatus(peer, room, RoomStatus.FAILED, dead.failure)]
+                return [SendStatus(peer, room, Status.FAILED, dead.failure)]
             return [self._duplicate(peer, room, f"room {room} already finished {dead.status.name}")]
         if r is not None:
             engines = {p.engine_id for p in r.targets}
@@ -90,12 +93,31 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
         return self._settle(self._room(room, now).on_request(target, required))
 
     def _duplicate(self, peer: PeerRef, room: int, detail: str) -> SendStatus:
-        return SendStatus(peer, room, RoomStatus.FAILED, Failure(FailureKind.DUPLICATE_ROOM, detail))
+        return SendStatus(peer, room, Status.FAILED, Failure(FailureKind.DUPLICATE_ROOM, detail))
 
-    def on_chunk(self, room: int, start: int, stop: int, is_last: bool, now: float) -> list[Action]:
-        if room in self.tombstones and room not in self.rooms:
-            return []  # the room already failed (or was aborted); the engine's pages are freed there
-        return self._settle(self._room(room, now).on_chunk(start, stop, is_last))
+    def on_chunk(
+        self,
+        room: int,
+        pages: I32,
+        is_last: bool,
+        now: float,
+        state: Sequence[I32 | None] | None = None,
+        aux_index: int | None = None,
+    ) -> list[Action]:
+        """The engine produced the next ``pages`` of ``room`` (see :meth:`PrefillRoom.on_chunk`)."""
+        dead = self.tombstones.get(room) if room not in self.rooms else None
+        if dead is not None:
+            if dead.status is Status.SUCCESS:
+                # the room was sent in full and released: these are pages of a new use of its
+                # id, which nobody can be served (every request for it is refused as a
+                # duplicate). They are released at once, or the engine would wait for them forever.
+                failure = Failure(FailureKind.DUPLICATE_ROOM, f"room {room} already finished SUCCESS")
+                return [ReleaseRoom(room, Status.FAILED, failure)]
+            if dead.declined:
+                # declined before the engine produced it: nobody will ask, give the pages back
+                return [ReleaseRoom(room, Status.FAILED, dead.failure)]
+            return []  # the room failed (or was aborted) while being sent; its pages were freed there
+        return self._settle(self._room(room, now).on_chunk(pages, is_last, state, aux_index))
 
     def on_xfer_done(self, xfer_id: int) -> list[Action]:
         room = self._xfer_room.pop(xfer_id, None)
@@ -119,6 +141,11 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
     def on_abort(self, room: int, peer: PeerRef) -> list[Action]:
         r = self.rooms.get(room)
         if r is None:
+            if room not in self.tombstones:
+                # declined before this engine produced any of it: its chunks, when they come,
+                # are released at once and a request for it is refused
+                failure = Failure(FailureKind.ABORTED, f"declined by {peer} before any request")
+                self._bury(room, Tombstone(Status.FAILED, failure, frozenset(), declined=True))
             return [SendAbortAck(peer, room)]
         return self._settle(r.on_abort(peer))
 
@@ -126,11 +153,38 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
         r = self.rooms.get(room)
         return [] if r is None else self._settle(r.fail(failure))
 
+    def abort(self, room: int, failure: Failure, now: float) -> list[Action]:
+        """The prefill engine gives up on ``room``. A live room fails (and drains); a room no
+        decode rank asked for yet is remembered as failed, so its requests get ``failure``."""
+        if room in self.rooms:
+            return self.fail_room(room, failure)
+        if room not in self.tombstones:
+            self._bury(room, Tombstone(Status.FAILED, failure, frozenset()))
+        return []
+
+    def status(self, room: int) -> Status | None:
+        """The room's status: live, or its tombstone's; None for a room never seen (or forgotten)."""
+        r = self.rooms.get(room)
+        if r is not None:
+            return r.status
+        dead = self.tombstones.get(room)
+        return None if dead is None else dead.status
+
     def room_of(self, xfer_id: int) -> int | None:
         """The room an in-flight transfer belongs to."""
         return self._xfer_room.get(xfer_id)
 
-    def accepts_posts(self, room: int) -> bool:
-        """Whether ``room`` is live: a PostTransfer of a room that failed meanwhile is not posted."""
+    def refuses_post(self, room: int, now: float) -> Failure | None:
+        """Why a PostTransfer of ``room`` must not be posted at ``now``, or None if it may be.
+
+        Asked at the moment of each post, not when the batch of actions was made: a room that
+        failed meanwhile, or whose deadline passed (the rank may have stalled between two posts
+        of one batch, e.g. stopped, and resumed past it), gets nothing more posted; the decode
+        rank may already have given the room's slots to another request."""
         r = self.rooms.get(room)
-        return r is not None and not r.finished
+        if r is None or r.finished:
+            return Failure(FailureKind.ABORTED, f"room {room} failed before this part was posted")
+        if now >= r.deadline:
+            why = f"room {room} reached its deadline before this part was posted"
+            return Failure(FailureKind.TIMEOUT, why)
+        return None

@@ -1,32 +1,26 @@
-"""Room status codes and the one merge rule every side applies to them."""
+"""Room status: the wire's own ``Status`` (SGLang's KVPoll numbers) and the one merge rule every
+side applies to it."""
 
 from __future__ import annotations
 
-from enum import IntEnum
+from pdwire.wire import Status
+
+__all__ = ["Status", "is_terminal", "merge_status"]
 
 
-class RoomStatus(IntEnum):
-    """The protocol's per-room status, numbered as on the wire (KVPoll order)."""
-
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING_FOR_INPUT = 2
-    TRANSFERRING = 3
-    SUCCESS = 4
-
-    @property
-    def terminal(self) -> bool:
-        return self in (RoomStatus.FAILED, RoomStatus.SUCCESS)
+def is_terminal(status: Status) -> bool:
+    """Failed or Success: the room is over."""
+    return status in (Status.FAILED, Status.SUCCESS)
 
 
-def merge_status(current: RoomStatus, new: RoomStatus) -> RoomStatus:
+def merge_status(current: Status, new: Status) -> Status:
     """Status only moves forward, except that Failed always wins (and a terminal status is final).
 
     A late Transferring report must never undo Success, and a Success report must never
     hide a Failed one that arrived first.
     """
-    if current.terminal:
+    if is_terminal(current):
         return current
-    if new is RoomStatus.FAILED:
+    if new == Status.FAILED:
         return new
     return max(current, new)

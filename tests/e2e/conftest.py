@@ -18,17 +18,20 @@ import pytest
 import zmq
 from pdwire.runtime.backends import Backend, available_backends
 from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo_cluster import Cluster, Group, RoomResult
-from pdwire.runtime.demo_content import RoomSlots, pages_for
-from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
-from pdwire.runtime.demo_rank import model_fingerprint
-from pdwire.runtime.session.decode_worker import DecodeWorker
-from pdwire.runtime.session.failures import Failure
-from pdwire.runtime.session.handshake import Identity
-from pdwire.runtime.session.prefill_worker import PrefillWorker
-from pdwire.runtime.session.status import RoomStatus
-
-from pdwire import wire
+from pdwire.runtime.demo.cluster import Cluster, Group, RoomResult
+from pdwire.runtime.demo.content import RoomSlots, pages_for
+from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.demo.rank import model_fingerprint
+from pdwire.runtime.engine import (
+    DecodeConfig,
+    DecodeWorker,
+    Failure,
+    ParallelRank,
+    PrefillConfig,
+    PrefillGroup,
+    PrefillWorker,
+    Status,
+)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -97,11 +100,32 @@ def running_pool(backend: str) -> Iterator[Pool]:
 
 
 def worker_caches(backend: Backend, tp: int = 1, rank: int = 0) -> RankCaches:
-    """Rank ``rank`` of ``tp``'s caches of SPEC in ``backend``'s registered memory, for in-process workers."""
+    """Rank ``rank`` of ``tp``'s caches of SPEC in memory from ``backend``, for in-process workers
+    (the worker registers it)."""
     buf = backend.allocate("caches", bytes_needed(SPEC, tp, rank, WORKER_CAP))
-    c = build_caches(SPEC, tp, rank, WORKER_CAP, buf.array)
-    backend.register(c.regions())
-    return c
+    return build_caches(SPEC, tp, rank, WORKER_CAP, buf.array)
+
+
+def prefill_config(engine: str = "pre", tp: int = 1, rank: int = 0, **kw: Any) -> PrefillConfig:
+    """Rank ``rank`` of ``tp`` of prefill engine ``engine`` serving SPEC."""
+    kw.setdefault("room_timeout_s", ROOM_TIMEOUT_S)
+    return PrefillConfig(engine_id=engine, rank=ParallelRank(tp, rank), model=model_fingerprint(SPEC), **kw)
+
+
+def decode_config(engine: str = "dec", tp: int = 1, rank: int = 0, **kw: Any) -> DecodeConfig:
+    """Rank ``rank`` of ``tp`` of decode engine ``engine`` serving SPEC."""
+    kw.setdefault("room_timeout_s", ROOM_TIMEOUT_S)
+    return DecodeConfig(engine_id=engine, rank=ParallelRank(tp, rank), model=model_fingerprint(SPEC), **kw)
+
+
+def send(pre: PrefillWorker, room: int, src: RoomSlots, start: int = 0, stop: int | None = None) -> None:
+    """Chunked prefill produced pages ``[start, stop)`` of ``src`` (to the end: the last chunk)."""
+    stop = len(src.pages) if stop is None else stop
+    if stop < len(src.pages):
+        pre.send_chunk(room, src.pages[start:stop], last=False)
+    else:
+        state = src.state_indices(SPEC)
+        pre.send_chunk(room, src.pages[start:stop], last=True, state=state, aux_index=src.aux)
 
 
 def room_slots(tokens: int) -> RoomSlots:
@@ -128,7 +152,7 @@ def serving(pre: PrefillWorker) -> Iterator[None]:
         thread.join()
 
 
-Outcome = tuple[int, RoomStatus, Failure | None]  # (room, status, failure): how a worker reports a room's end
+Outcome = tuple[int, Status, Failure | None]  # (room, status, failure): how a worker reports a room's end
 
 
 @dataclass
@@ -142,11 +166,16 @@ class WorkerPair:
     db: Backend
     pc: RankCaches
     dc: RankCaches
-    engine: str  # the prefill engine id connect() returned; "" when the pair was built unconnected
+    group: PrefillGroup | None  # what connect() returned; None when the pair was built unconnected
     finished: list[Outcome]  # decode's on_finished, in order
     released: list[Outcome]  # prefill's on_release, in order
     slots_released: list[int]  # decode's on_slots_released, in order
     events: list[str]  # the three above as text, interleaved in the order they happened
+
+    def ask(self, room: int, slots: RoomSlots, **kw: Any) -> None:
+        """Decode asks the connected prefill rank for ``room`` into ``slots``."""
+        assert self.group is not None, "the pair was built unconnected"
+        self.dec.start_room(room, slots.request(SPEC), self.group, **kw)
 
     def step_until(self, done: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
         """Step both workers until ``done()``; at the timeout fail naming ``what`` and the events so far."""
@@ -174,7 +203,7 @@ def worker_pair(
     ``adjust_decode_caches`` changes decode's caches after they are registered and before the
     workers exist (a decode build that describes its memory differently); ``decode_versions``
     are the protocol versions decode offers (empty: all). ``prefill_kw`` and ``decode_kw`` go to
-    the workers (``room_timeout_s`` defaults to ROOM_TIMEOUT_S). The pair owns both backends and
+    the workers' configs (``room_timeout_s`` defaults to ROOM_TIMEOUT_S). The pair owns both backends and
     closes them after the workers; a fake backend that holds its engine's thread lets it go in
     its own ``close``, so that a failed set-up is torn down as fast as a finished test.
     """
@@ -186,11 +215,11 @@ def worker_pair(
     slots_released: list[int] = []
     events: list[str] = []
 
-    def on_finished(room: int, status: RoomStatus, failure: Failure | None) -> None:
+    def on_finished(room: int, status: Status, failure: Failure | None) -> None:
         finished.append((room, status, failure))
         events.append(f"decode finished {room} {status.name}")
 
-    def on_release(room: int, status: RoomStatus, failure: Failure | None) -> None:
+    def on_release(room: int, status: Status, failure: Failure | None) -> None:
         released.append((room, status, failure))
         events.append(f"prefill released {room} {status.name}")
 
@@ -201,32 +230,25 @@ def worker_pair(
     pre: PrefillWorker | None = None
     dec: DecodeWorker | None = None
     try:
-        model = model_fingerprint(SPEC)
         pc, dc = worker_caches(pb), worker_caches(db)
         if adjust_decode_caches is not None:
             adjust_decode_caches(dc)
         pre = PrefillWorker(
-            Identity(wire.Role.PREFILL, "pre", 1, 0, model),
-            pc,
-            pb,
-            ctx,
-            **{"room_timeout_s": ROOM_TIMEOUT_S, **(prefill_kw or {})},
-            on_release=on_release,
+            prefill_config(**(prefill_kw or {})), pc.memory, backend=pb, context=ctx, on_released=on_release
         )
         dec = DecodeWorker(
-            Identity(wire.Role.DECODE, "dec", 1, 0, model, decode_versions),
-            dc,
-            db,
-            ctx,
-            **{"room_timeout_s": ROOM_TIMEOUT_S, **(decode_kw or {})},
+            decode_config(versions=decode_versions, **(decode_kw or {})),
+            dc.memory,
+            backend=db,
+            context=ctx,
             on_finished=on_finished,
             on_slots_released=on_slots_released,
         )
-        engine = ""
+        group = None
         if connect:
             with serving(pre):  # the prefill rank answers the handshake while connect() blocks
-                engine = dec.connect([pre.endpoint], timeout_s=10)
-        yield WorkerPair(pre, dec, pb, db, pc, dc, engine, finished, released, slots_released, events)
+                group = dec.wait_ready(dec.connect([pre.endpoint], timeout_s=10))
+        yield WorkerPair(pre, dec, pb, db, pc, dc, group, finished, released, slots_released, events)
     finally:
         # Workers before backends (prefill releases its handles into its backend), backends
         # before the context, whose term() waits for every socket to close.

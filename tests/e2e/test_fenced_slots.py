@@ -5,19 +5,20 @@ engine cannot cancel a posted write (as with MoRI, or a Mooncake chunk in flight
 thread is held by a gate, so the room's writes are still pending when decode aborts the room.
 Decode must report the room Failed at once but keep its slots until the prefill rank
 acknowledges the abort, which it does only once its writes stopped; a room reusing the slots
-afterwards must verify byte for byte. A prefill rank that never fences gets the slots released
-at the fence timeout, counted and named.
+afterwards must verify byte for byte. A prefill rank that never fences is revoked at the fence
+timeout: the slots come back, and its late writes change none of their bytes.
 """
 
 from __future__ import annotations
 
 import threading
 
-from pdwire.runtime.backends.base import DONE, TransferHandle
 from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors, verify
+from pdwire.runtime.backends.values import DONE, TransferHandle
+from pdwire.runtime.demo.content import RoomSlots, fill, full_tensors, verify
+from pdwire.runtime.engine import Status
 
-from tests.e2e.conftest import SPEC, WorkerPair, room_slots, worker_pair
+from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
 TOKENS = 40  # 10 pages: one KV chunk, two state components and aux, posted together
 
@@ -42,9 +43,9 @@ def start(p: WorkerPair, room: int, slots: RoomSlots) -> None:
     """Decode asks for ``room``; once prefill has the request, chunked prefill produces it whole."""
     src = room_slots(TOKENS)
     fill(p.pc, src, full_tensors(SPEC, 1, room, TOKENS))
-    p.dec.start_room(room, slots, p.engine)
-    p.step_until(lambda: room in p.pre._requests, f"room {room}'s TransferRequest")
-    p.pre.chunk_ready(room, src, 0, len(src.pages), True)
+    p.ask(room, slots)
+    p.step_until(lambda: p.pre.status(room) is Status.WAITING_FOR_INPUT, f"room {room}'s TransferRequest")
+    send(p.pre, room, src)
 
 
 def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_byte_exact() -> None:
@@ -52,7 +53,8 @@ def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_
     with worker_pair(pb) as p:
         slots = room_slots(TOKENS)
         start(p, 7, slots)
-        assert len(p.pre._handles) == 4  # KV, Mamba, SWA, aux: posted, held on the engine's thread
+        # KV, Mamba, SWA, aux: one write (protocol 1.5), posted, held on the engine's thread
+        assert p.pre.transfers_in_flight == 1 and p.pre.stats.merged_parts == 3
         p.dec.abort(7, "the engine gave up on it")
         assert p.events == ["decode finished 7 FAILED"]  # the engine learns at once (it may retry)
         for _ in range(200):
@@ -60,32 +62,41 @@ def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_
             p.dec.step(1)
         # The writes cannot stop while held: prefill answers nothing and decode keeps the slots.
         assert p.events == ["decode finished 7 FAILED"]
-        assert p.pre.session.rooms[7].draining and len(p.pre._handles) == 4
-        assert list(p.dec.session.quarantined) == [7]
+        assert p.pre.draining_rooms == (7,) and p.pre.transfers_in_flight == 1
+        assert p.dec.quarantined_rooms == (7,)
         pb.gate.set()  # the failed room's writes now land in decode's slots
         p.step_until(lambda: "decode slots 7" in p.events, "room 7's slots")
         assert p.events == ["decode finished 7 FAILED", "prefill released 7 FAILED", "decode slots 7"]
-        assert p.pre._handles == {} and p.pre.stats.rooms_failed == 1
+        assert p.pre.transfers_in_flight == 0 and p.pre.stats.rooms_failed == 1
         # What the fence held back: room 7's bytes did land, after the room had failed.
         assert verify(p.dc, slots, full_tensors(SPEC, 1, 7, TOKENS)) == []
         start(p, 8, slots)  # the same slots for the next room
         p.step_until(lambda: "decode finished 8 SUCCESS" in p.events, "room 8")
-        p.step_until(lambda: p.dec.session.stray_completions == 4, "room 7's late notifications")
+        p.step_until(lambda: p.dec.stray_completions == 1, "room 7's late notification (one write)")
         assert verify(p.dc, slots, full_tensors(SPEC, 1, 8, TOKENS)) == []
         assert p.events[-2:] == ["decode finished 8 SUCCESS", "decode slots 8"]
-        assert p.dec.stats.unfenced_releases == 0
+        assert p.dec.stats.revocations == 0  # its AbortAck fenced it: nobody was cut off
         assert p.dec.stats.failures == ["room 7: aborted: the engine gave up on it"]
 
 
-def test_a_prefill_rank_that_never_fences_gets_the_slots_released_at_the_fence_timeout_loudly() -> None:
+def test_a_prefill_rank_that_never_fences_is_revoked_and_its_late_writes_land_nowhere() -> None:
     with worker_pair(CannotCancel("pre"), decode_kw={"room_timeout_s": 1.0, "fence_timeout_s": 0.5}) as p:
-        start(p, 9, room_slots(TOKENS))
+        slots = room_slots(TOKENS)
+        start(p, 9, slots)
         p.dec.abort(9, "the engine gave up on it")
-        p.step_until(lambda: "decode slots 9" in p.events, "the fence timeout")
+        p.step_until(lambda: "decode slots 9" in p.events, "the revocation at the fence timeout")
         assert p.events == ["decode finished 9 FAILED", "decode slots 9"]
-        assert p.pre.session.rooms[9].draining  # its writes still could not stop
-        assert p.dec.stats.unfenced_releases == 1
-        assert p.dec.stats.failures == [
-            "room 9: aborted: the engine gave up on it",
-            "room 9: destination slots released after the fence timeout, unfenced by pre/0",
-        ]
+        assert p.pre.draining_rooms == (9,)  # its writes still could not stop
+        assert p.dec.stats.revocations == 1 and p.dec.stats.unrevocable == 0
+        # the engine reuses the slots at once; then the revoked rank's held writes run
+        reuse = full_tensors(SPEC, 1, 99, TOKENS)
+        fill(p.dc, slots, reuse)
+        p.pb.gate.set()  # type: ignore[attr-defined]
+        p.step_until(lambda: p.pre.draining_rooms == (), "room 9's writes to end")
+        assert verify(p.dc, slots, reuse) == [], "a revoked rank's late write reached reused slots"
+        # the rank registered again (new windows) and serves the same slots byte for byte
+        p.step_until(lambda: p.dec.unready_peers == (), "the registration after the revocation")
+        start(p, 10, slots)
+        p.step_until(lambda: "decode finished 10 SUCCESS" in p.events, "room 10")
+        assert verify(p.dc, slots, full_tensors(SPEC, 1, 10, TOKENS)) == []
+        assert p.dec.stats.failures[0] == "room 9: aborted: the engine gave up on it"

@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from pdwire.runtime.demo_content import RoomSlots, fill, full_tensors
-from pdwire.runtime.session.failures import FailureKind
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.demo.content import RoomSlots, fill, full_tensors
+from pdwire.runtime.engine import FailureKind, Status
 
-from tests.e2e.conftest import SPEC, room_slots, worker_pair
+from tests.e2e.conftest import SPEC, room_slots, send, worker_pair
 
 
 def test_a_longer_destination_page_list_fails_the_room_on_both_sides() -> None:
@@ -24,18 +23,18 @@ def test_a_longer_destination_page_list_fails_the_room_on_both_sides() -> None:
         n = len(src.pages)
         dst = RoomSlots(np.arange(n + 3, dtype=np.int32), src.slot, src.swa_pages, src.aux)
         fill(p.pc, src, full_tensors(SPEC, 1, 7, 40))
-        p.dec.start_room(7, dst, p.engine)
+        p.ask(7, dst)
         deadline = time.monotonic() + 10
-        while 7 not in p.pre.session.rooms or not p.pre._requests:
+        while p.pre.status(7) is not Status.WAITING_FOR_INPUT:
             assert time.monotonic() < deadline
             p.pre.step(5)
-        p.pre.chunk_ready(7, src, 0, n, True)
+        send(p.pre, 7, src)
         while not (p.finished and p.released):
             assert time.monotonic() < deadline
             p.pre.step(5)
             p.dec.step(5)
         for room, status, failure in (p.finished[0], p.released[0]):
-            assert (room, status) == (7, RoomStatus.FAILED)
+            assert (room, status) == (7, Status.FAILED)
             assert failure is not None and failure.kind is FailureKind.VALIDATION
             assert f"produced {n} KV pages" in failure.detail and f"asked for {n + 3}" in failure.detail
 
@@ -46,18 +45,18 @@ def test_a_page_named_twice_across_chunks_fails_the_room_before_anything_is_writ
         n = len(src.pages)
         pages = np.arange(n, dtype=np.int32)
         pages[-1] = pages[0]  # chunk 0 and the last chunk both name page 0
-        p.dec.start_room(8, RoomSlots(pages, src.slot, src.swa_pages, src.aux), p.engine)
+        p.ask(8, RoomSlots(pages, src.slot, src.swa_pages, src.aux))
         fill(p.pc, src, full_tensors(SPEC, 1, 8, 40))
         half = n // 2
-        p.pre.chunk_ready(8, src, 0, half, False)  # ready before the request: posted on its arrival
-        p.pre.chunk_ready(8, src, half, n, True)
+        send(p.pre, 8, src, 0, half)  # ready before the request: posted on its arrival
+        send(p.pre, 8, src, half)
         deadline = time.monotonic() + 10
         while not p.finished:
             assert time.monotonic() < deadline
             p.pre.step(5)
             p.dec.step(5)
         ((room, status, failure),) = p.finished
-        assert (room, status) == (8, RoomStatus.FAILED)
+        assert (room, status) == (8, Status.FAILED)
         assert failure is not None and failure.kind is FailureKind.VALIDATION
         assert f"destination index {int(pages[0])} appears twice" in failure.detail
         assert p.pre.stats.posts == 0  # refused on arrival, nothing of it was written

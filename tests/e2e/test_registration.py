@@ -7,8 +7,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from pdwire.runtime.demo_model import RankCaches
-from pdwire.runtime.session.failures import HandshakeError
+from pdwire.runtime.demo.model import RankCaches
+from pdwire.runtime.engine import HandshakeError
 
 from tests.e2e.conftest import serving, worker_pair
 
@@ -28,12 +28,12 @@ def test_a_registration_that_disagrees_in_component_structure_is_refused(version
         serving(p.pre),  # the test connects: the newest decode build expects a refusal
     ):
         if versions:  # a 1.1 peer cannot describe its components: borrowed, accepted (documented)
-            assert p.dec.connect([p.pre.endpoint], timeout_s=10) == "pre"
+            assert p.dec.wait_ready(p.dec.connect([p.pre.endpoint], timeout_s=10)).engine_id == "pre"
             assert p.dec.stats.versions == ["pre/0=1.1"]
             return
         with pytest.raises(HandshakeError) as e:
-            p.dec.connect([p.pre.endpoint], timeout_s=10)
+            p.dec.wait_ready(p.dec.connect([p.pre.endpoint], timeout_s=10))
         msg = str(e.value)
         assert "refused the registration: handshake: RegistrationMismatch" in msg, msg
         assert "state_components[1] (swa), field tensor_names" in msg and "swa_k" in msg, msg
-        assert p.pre._by_peer == {}  # nothing was prepared for the refused peer
+        assert p.pre.registered_peers == ()  # nothing was prepared for the refused peer

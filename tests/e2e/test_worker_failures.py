@@ -12,21 +12,22 @@ import time
 from typing import Any
 
 import pytest
-import zmq
 from pdwire.runtime.backends import shm
-from pdwire.runtime.backends.base import DONE, TransferHandle, failed
 from pdwire.runtime.backends.local import LocalBackend
+from pdwire.runtime.backends.values import DONE, TransferHandle, failed
 from pdwire.runtime.backends.worker import Job
-from pdwire.runtime.demo_content import fill, full_tensors
-from pdwire.runtime.demo_rank import model_fingerprint
-from pdwire.runtime.session.decode_worker import DecodeWorker
-from pdwire.runtime.session.failures import Failure, FailureKind, SessionError
-from pdwire.runtime.session.handshake import Identity
-from pdwire.runtime.session.prefill_worker import PrefillWorker
-from pdwire.runtime.session.status import RoomStatus
+from pdwire.runtime.demo.content import fill, full_tensors
+from pdwire.runtime.engine import DecodeWorker, IndicesError, PrefillWorker, Status
 
-from pdwire import wire
-from tests.e2e.conftest import SPEC, room_slots, worker_caches, worker_pair
+from tests.e2e.conftest import (
+    SPEC,
+    decode_config,
+    prefill_config,
+    room_slots,
+    send,
+    worker_caches,
+    worker_pair,
+)
 
 
 class FirstTransferFails(LocalBackend):
@@ -53,22 +54,23 @@ class FirstTransferFails(LocalBackend):
 
 def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> None:
     pb = FirstTransferFails(agent_name="pre")
-    with worker_pair(pb) as p:
+    # decode speaks 1.4, so that each part is a write of its own (at 1.5 they would be one)
+    with worker_pair(pb, decode_versions=((1, 4),)) as p:
         tokens = 40  # 10 pages: one KV chunk, two state components and aux, all posted at once
         src = room_slots(tokens)
         fill(p.pc, src, full_tensors(SPEC, 1, 7, tokens))
-        p.dec.start_room(7, room_slots(tokens), p.engine)
+        p.ask(7, room_slots(tokens))
         deadline = time.monotonic() + 10
-        while 7 not in p.pre.session.rooms or not p.pre._requests:
+        while p.pre.status(7) is not Status.WAITING_FOR_INPUT:
             assert time.monotonic() < deadline, "the TransferRequest never arrived"
             p.pre.step(5)
-        p.pre.chunk_ready(7, src, 0, len(src.pages), True)
-        assert len(p.pre._handles) == 4  # KV, Mamba, SWA, aux: in flight together
+        send(p.pre, 7, src)
+        assert p.pre.transfers_in_flight == 4  # KV, Mamba, SWA, aux: in flight together
         for _ in range(100):  # the first fails; the other three cannot stop while the gate is shut
             p.pre.step(1)
             p.dec.step(1)
-        assert 7 in p.pre.session.rooms and p.pre.session.rooms[7].draining
-        assert len(p.pre._handles) == 3 and all(h.cancel_reason for h in p.pre._handles.values())
+        assert p.pre.draining_rooms == (7,) and p.pre.transfers_in_flight == 3
+        assert len(pb._handles) == 3 and all(h.cancel_reason for h in pb._handles.values())  # cancel asked
         assert p.finished == [] and p.pre.stats.rooms_failed == 0  # nobody told while they may write
         pb.gate.set()
         while not p.finished:
@@ -76,60 +78,35 @@ def test_a_failed_transfer_fails_its_room_once_while_others_are_pending() -> Non
             p.pre.step(5)
             p.dec.step(5)
         ((room, status, failure),) = p.finished
-        assert room == 7 and status is RoomStatus.FAILED and failure is not None
+        assert room == 7 and status is Status.FAILED and failure is not None
         assert "injected engine failure" in failure.detail, failure
         assert p.pre.stats.rooms_failed == 1 and p.pre.stats.rooms_ok == 0
-        assert p.pre._handles == {} and pb._handles == {}  # every handle of the room released
+        assert p.pre.transfers_in_flight == 0 and pb._handles == {}  # every handle of the room released
 
 
 def test_an_undecodable_engine_notification_is_recorded_and_the_decode_loop_goes_on() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
     db = LocalBackend(agent_name="dec")
-    dec = DecodeWorker(
-        Identity(wire.Role.DECODE, "dec", 1, 0, model_fingerprint(SPEC)), worker_caches(db), db, ctx
-    )
-    try:
+    with db, DecodeWorker(decode_config(), worker_caches(db).memory, backend=db) as dec:
         shm.send(db._inbox.path, "someone", b"not a pdwire frame")
         dec.step(10)  # must not raise: one peer's bad payload cannot stop every room on this rank
         assert dec.stats.engine_notifications == 1
         assert any("undecodable engine notification from someone" in f for f in dec.stats.failures)
-    finally:
-        dec.close()
-        db.close()
-        ctx.term()
 
 
 def test_a_chunk_of_a_room_that_already_failed_leaves_nothing_behind() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
     pb = LocalBackend(agent_name="pre")
-    pre = PrefillWorker(
-        Identity(wire.Role.PREFILL, "pre", 1, 0, model_fingerprint(SPEC)), worker_caches(pb), pb, ctx
-    )
-    try:
+    with pb, PrefillWorker(prefill_config(), worker_caches(pb).memory, backend=pb) as pre:
         src = room_slots(16)
-        pre.chunk_ready(5, src, 0, 2, False)
-        assert 5 in pre.session.rooms and 5 in pre._sources
-        pre._run(pre.session.fail_room(5, Failure(FailureKind.ABORTED, "the engine gave up")))
-        pre.chunk_ready(5, src, 2, len(src.pages), True)  # the engine's next chunk arrives late
-        assert 5 not in pre.session.rooms
-        assert 5 not in pre._sources
-    finally:
-        pre.close()
-        pb.close()
-        ctx.term()
+        send(pre, 5, src, 0, 2)
+        assert pre.status(5) is Status.BOOTSTRAPPING
+        pre.abort(5, "the engine gave up")
+        send(pre, 5, src, 2)  # the engine's next chunk arrives late
+        assert pre.status(5) is Status.FAILED and pre.draining_rooms == ()  # nothing kept for it
 
 
 def test_room_zero_is_reserved_and_refused_before_anything_is_sent() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
     db = LocalBackend(agent_name="dec")
-    dec = DecodeWorker(
-        Identity(wire.Role.DECODE, "dec", 1, 0, model_fingerprint(SPEC)), worker_caches(db), db, ctx
-    )
-    try:
-        with pytest.raises(SessionError, match="room 0 is reserved"):
-            dec.start_room(0, room_slots(16), "any-engine")
-        assert dec.stats.messages_out == 0 and not dec.session.rooms
-    finally:
-        dec.close()
-        db.close()
-        ctx.term()
+    with db, DecodeWorker(decode_config(), worker_caches(db).memory, backend=db) as dec:
+        with pytest.raises(IndicesError, match="room 0 is reserved"):
+            dec.start_room(0, room_slots(16).request(SPEC), None)  # type: ignore[arg-type]
+        assert dec.stats.messages_out == 0 and dec.status(0) is None

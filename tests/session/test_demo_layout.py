@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from pdwire.runtime.demo_content import (
+from pdwire.runtime.demo.content import (
     RoomSlots,
     fill,
     fill_sentinel,
@@ -21,7 +21,7 @@ from pdwire.runtime.demo_content import (
     untouched_problems,
     verify,
 )
-from pdwire.runtime.demo_model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import prepare_peer, route_decode_rank
 

@@ -1,0 +1,102 @@
+"""What ``pdwire serve`` needs of a model's memory, and the registry of models it can serve.
+
+Serve moves a synthetic workload: a request's room id carries its prompt length
+(:mod:`.ranks`), prefill produces content for it, decode checks it on arrival. Everything about
+*which* memory that is (tensors, pools, content, verification) lives behind
+:class:`ServeMemory`, so the serve runtime depends on no model: a model registers a factory
+under a name (``memory: {model: NAME}`` in the config) with :func:`register_memory_model`.
+The demo's hybrid model registers itself as ``demo`` from the command layer
+(``pdwire serve``), never from here: the runtime must not import the demo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pdwire.runtime.engine import Backend, RankMemory, RequestIndices
+    from pdwire.runtime.serve.config import MemorySettings
+
+    from pdwire import wire
+
+
+class ServeRank(Protocol):
+    """One rank's memory: registered with the backend, with a pool of free slots.
+
+    A *lease* is whatever the model uses to say where one room lives on this rank (opaque to
+    serve); :meth:`take` raises :class:`MemoryError` when the pools are short for now.
+    """
+
+    @property
+    def memory(self) -> RankMemory: ...
+
+    def take(self, tokens: int) -> Any: ...
+
+    def give(self, lease: Any) -> None: ...
+
+    def request(self, lease: Any) -> RequestIndices:
+        """The lease as a request's indices (KV pages in prompt order, state, aux)."""
+        ...
+
+    def fill(self, lease: Any, content: Any) -> None:
+        """Prefill: write this rank's part of a room's content into the lease."""
+        ...
+
+    def verify(self, lease: Any, content: Any) -> list[str]:
+        """Decode: one line per mismatch between the lease and this rank's part of ``content``."""
+        ...
+
+    def clear(self, lease: Any) -> None:
+        """Decode: wipe a released lease (and, before any room, :meth:`prepare` the pools)."""
+        ...
+
+    def prepare(self) -> None: ...
+
+
+class ServeMemory(Protocol):
+    """A model as serve runs it, built from the config's ``memory`` settings."""
+
+    @property
+    def fingerprint(self) -> wire.ModelFingerprint: ...
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ValueError when the model cannot be split ``tp`` ways."""
+        ...
+
+    def pages_needed(self, tokens: int) -> int:
+        """KV pages a prompt of ``tokens`` tokens occupies on one rank."""
+        ...
+
+    def open_rank(self, tp: int, tp_rank: int, backend: Backend, seed: int) -> ServeRank:
+        """Allocate (through ``backend``) and describe one rank's memory."""
+        ...
+
+    def content(self, room: int, tokens: int) -> Any:
+        """A room's full content, the same on both roles (derived from the settings' seed)."""
+        ...
+
+
+MemoryFactory = Callable[["MemorySettings"], ServeMemory]
+_MODELS: dict[str, MemoryFactory] = {}
+
+
+class UnknownMemoryModel(LookupError):
+    """A ``memory.model`` no registered factory serves."""
+
+
+def register_memory_model(name: str, factory: MemoryFactory) -> None:
+    """Make ``memory: {model: name}`` build its memory with ``factory`` (last one wins)."""
+    _MODELS[name] = factory
+
+
+def memory_models() -> tuple[str, ...]:
+    return tuple(sorted(_MODELS))
+
+
+def open_memory_model(settings: MemorySettings) -> ServeMemory:
+    factory = _MODELS.get(settings.model)
+    if factory is None:
+        known = ", ".join(repr(n) for n in memory_models()) or "none registered"
+        raise UnknownMemoryModel(f"memory.model {settings.model!r}: serve knows {known}")
+    return factory(settings)

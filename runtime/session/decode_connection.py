@@ -1,0 +1,304 @@
+"""The decode side of one prefill rank's control connection: a pure state machine (h11 style).
+
+:meth:`DecodeConnection.start` says the Hello to send; each decoded message from the prefill
+rank goes to :meth:`DecodeConnection.receive`, which returns :mod:`.events`. The handshake is
+``HELLO_SENT`` (our Hello is out) -> ``REGISTERING`` (their Hello passed the same checks both
+sides run, our RegisterInfo is out at the agreed version) -> ``READY`` (their answer accepted
+it: a ``RegisterAck`` from the version that introduced it, a ``TransferStatus`` for the reserved
+room 0 before) or ``REFUSED`` with the cause named: the peer's reason, a version that cannot
+carry this rank's memory (``DowngradeError``), a peer that says it is another rank than the one
+expected at that endpoint, or the handshake deadline (:meth:`on_tick`). Once ready, statuses,
+notifications on the control socket and AbortAcks become typed room events.
+
+After this rank revoked the prefill rank (cut it off its memory), :meth:`reregister` sends a
+RegisterInfo with new metadata (new windows): ``READY`` -> ``REREGISTERING`` -> ``READY`` when
+accepted, or ``RETRY`` when refused (a NIXL prefill rank refuses while its old transfers to
+this rank are still stopping; the edge registers again later). Room messages keep flowing
+meanwhile; only a ready connection takes new rooms.
+
+The builders (:meth:`transfer_request`, :meth:`abort`) turn the session's actions into
+messages; the edge encodes every :class:`~.events.Send` at the version it carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+from pdwire.runtime.config import ConfigError, ParallelRank
+from pdwire.runtime.indices import RESERVED_ROOM
+from pdwire.runtime.planner import RankMemory
+from pdwire.runtime.session.actions import PeerRef, SendRequest
+from pdwire.runtime.session.events import (
+    AbortAcked,
+    DecodeEvent,
+    Problem,
+    Ready,
+    Refused,
+    Send,
+    StatusReceived,
+    completion,
+)
+from pdwire.runtime.session.failures import Failure, HandshakeError, failure_from_wire
+from pdwire.runtime.session.hello import REGISTER_ACK_SINCE, check_descriptors, check_hello
+from pdwire.runtime.session.registration import check_layout_version, register_info
+from pdwire.runtime.session.status import Status
+
+from pdwire import wire
+
+
+class DecodeConnState(Enum):
+    HELLO_SENT = "hello_sent"
+    REGISTERING = "registering"
+    READY = "ready"
+    REFUSED = "refused"
+    REREGISTERING = "reregistering"  # registered again after a revocation, no answer yet
+    RETRY = "retry"  # that registration was refused: the edge tries again later
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLocal:
+    """This decode rank, as every link of it sees it: what it says and what it registers."""
+
+    hello: wire.Hello
+    memory: RankMemory
+    endpoint: str  # the name it gives itself in RegisterInfo and TransferRequests
+    backend_name: str
+    agent_name: str
+    agent_metadata: bytes
+    region_descs: tuple[bytes, ...] = ()
+
+    @property
+    def geometry(self) -> wire.ParallelGeometry:
+        return self.hello.geometry
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """Which prefill rank an endpoint must be, by the caller's topology."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int = 1
+    pp_rank: int = 0
+
+
+class DecodeConnection:
+    """One prefill rank, seen from this decode rank. See the module notes."""
+
+    def __init__(
+        self, local: DecodeLocal, endpoint: str, deadline: float, expected: Expected | None = None
+    ) -> None:
+        self.local = local
+        self.endpoint = endpoint
+        self.deadline = deadline
+        self.expected = expected
+        self.state = DecodeConnState.HELLO_SENT
+        self.version: tuple[int, int] | None = None
+        self.peer: PeerRef | None = None
+        self.position: ParallelRank | None = None
+        self.refusal: str | None = None
+        self._registration: wire.RegisterInfo | None = None  # the first RegisterInfo, once sent
+
+    @property
+    def ready(self) -> bool:
+        return self.state is DecodeConnState.READY
+
+    @property
+    def handshaking(self) -> bool:
+        return self.state in (DecodeConnState.HELLO_SENT, DecodeConnState.REGISTERING)
+
+    def start(self) -> list[DecodeEvent]:
+        """The first message: our Hello (every version of pdwire reads any Hello)."""
+        return [Send(self.local.hello, None)]
+
+    # ------------------------------------------------------------------ messages in
+
+    def receive(self, msg: wire.Message) -> list[DecodeEvent]:
+        if self.state is DecodeConnState.HELLO_SENT:
+            return self._on_hello(msg)
+        if self.state is DecodeConnState.REGISTERING:
+            return self._on_answer(msg)
+        if self.state is DecodeConnState.REFUSED:
+            return []
+        if self.state is DecodeConnState.REREGISTERING and self._is_answer(msg):
+            return self._on_reanswer(msg)
+        return self._on_room_message(msg)
+
+    def reregister(self, local: DecodeLocal) -> list[DecodeEvent]:
+        """Register again with ``local``'s new metadata (the old windows were revoked)."""
+        if self.state not in (DecodeConnState.READY, DecodeConnState.RETRY):
+            return []
+        assert self.version is not None
+        self.local = local
+        info = register_info(
+            local.memory,
+            endpoint=local.endpoint,
+            engine_id=local.hello.engine_id,
+            agent_name=local.agent_name,
+            agent_metadata=local.agent_metadata,
+            region_descs=local.region_descs,
+            version=self.version,
+            geometry=local.geometry,
+        )
+        self.state = DecodeConnState.REREGISTERING
+        return [Send(info, self.version)]
+
+    def _is_answer(self, msg: wire.Message) -> bool:
+        assert self.version is not None
+        if self.version >= REGISTER_ACK_SINCE:
+            return isinstance(msg, wire.RegisterAck)
+        return isinstance(msg, wire.TransferStatus) and int(msg.room) == RESERVED_ROOM
+
+    def _on_reanswer(self, msg: wire.Message) -> list[DecodeEvent]:
+        assert self.peer is not None and self.position is not None and self.version is not None
+        if isinstance(msg, wire.RegisterAck):
+            accepted = bool(msg.accepted)
+        else:
+            accepted = isinstance(msg, wire.TransferStatus) and msg.status == wire.Status.SUCCESS
+        if not accepted:
+            self.state = DecodeConnState.RETRY
+            why = failure_from_wire(msg.failure_kind, msg.reason)  # type: ignore[union-attr]
+            text = f"prefill {self.peer} refused the registration again (retried later): {why.reason}"
+            return [Problem(text)]
+        self.state = DecodeConnState.READY
+        return [Ready(self.peer, self.position, self.version)]
+
+    def undecodable(self, error: str) -> list[DecodeEvent]:
+        if self.state is DecodeConnState.REFUSED:
+            return []
+        if self.handshaking:
+            return self._refuse(f"{self.endpoint} sent an undecodable message during the handshake: {error}")
+        return [Problem(f"undecodable message from {self.peer}: {error}")]
+
+    def transport_refused(self, reason: str) -> list[DecodeEvent]:
+        """The socket refused the handshake (CURVE keys, one side unauthenticated): a handshake
+        in progress is refused now, naming it, rather than at its deadline."""
+        return self._refuse(reason) if self.handshaking else []
+
+    def on_tick(self, now: float) -> list[DecodeEvent]:
+        if not self.handshaking or now < self.deadline:
+            return []
+        what = "Hello" if self.state is DecodeConnState.HELLO_SENT else "registration answer"
+        return self._refuse(f"no {what} from {self.endpoint} within the handshake timeout")
+
+    def _refuse(self, reason: str) -> list[DecodeEvent]:
+        self.state, self.refusal = DecodeConnState.REFUSED, reason
+        return [Refused(reason)]
+
+    def _on_hello(self, msg: wire.Message) -> list[DecodeEvent]:
+        if not isinstance(msg, wire.Hello):
+            return self._refuse(f"{self.endpoint} answered a Hello with {type(msg).__name__}")
+        try:
+            version = check_hello(self.local.hello, msg)
+            try:
+                position = ParallelRank.from_geometry(msg.geometry)
+            except ConfigError as exc:
+                raise HandshakeError(f"prefill {msg.engine_id!r} sent a bad geometry: {exc}") from None
+            self._check_expected(position)
+            check_descriptors(version, self.local.backend_name, bool(self.local.region_descs), msg.engine_id)
+            check_layout_version(
+                version, self.local.memory, msg.engine_id, own_layout=True,
+                prefill_tp=msg.geometry.tp_size, decode_tp=self.local.geometry.tp_size,
+            )  # fmt: skip
+            info = register_info(
+                self.local.memory,
+                endpoint=self.local.endpoint,
+                engine_id=self.local.hello.engine_id,
+                agent_name=self.local.agent_name,
+                agent_metadata=self.local.agent_metadata,
+                region_descs=self.local.region_descs,
+                version=version,
+                geometry=self.local.geometry,
+            )
+            try:
+                wire.encode(info, version)  # refused here, by name, rather than at the edge
+            except wire.WireError as exc:  # e.g. DowngradeError: this memory does not fit an older version
+                raise HandshakeError(
+                    f"RegisterInfo cannot be sent to {msg.engine_id!r} at version "
+                    f"{version[0]}.{version[1]}: {exc}"
+                ) from exc
+        except HandshakeError as exc:
+            return self._refuse(str(exc))
+        self.version, self.position = version, position
+        self.peer = PeerRef(msg.engine_id, position.engine_rank)
+        self.state = DecodeConnState.REGISTERING
+        self._registration = info
+        return [Send(info, version)]
+
+    def register_again(self) -> list[DecodeEvent]:
+        """Send a refused first registration once more, inside the same handshake deadline: the
+        edge closed its own older connection to that rank, which the prefill rank may not have
+        seen go yet (it refuses a registration while a live connection holds the rank). Nothing
+        unless the Hello passed and the registration was refused."""
+        if self.state is not DecodeConnState.REFUSED or self._registration is None:
+            return []
+        assert self.version is not None
+        self.state, self.refusal = DecodeConnState.REGISTERING, None
+        return [Send(self._registration, self.version)]
+
+    def _check_expected(self, pos: ParallelRank) -> None:
+        e = self.expected
+        if e is None:
+            return
+        if (pos.tp_size, pos.tp_rank, pos.pp_size, pos.pp_rank) != (
+            e.tp_size,
+            e.tp_rank,
+            e.pp_size,
+            e.pp_rank,
+        ):
+            raise HandshakeError(
+                f"{self.endpoint} says it is prefill rank ({pos}), expected tp {e.tp_rank}/{e.tp_size}, "
+                f"pp {e.pp_rank}/{e.pp_size}"
+            )
+
+    def _on_answer(self, msg: wire.Message) -> list[DecodeEvent]:
+        assert self.version is not None and self.peer is not None and self.position is not None
+        if self.version >= REGISTER_ACK_SINCE:
+            if not isinstance(msg, wire.RegisterAck):
+                return self._refuse(f"{self.endpoint} answered RegisterInfo with {type(msg).__name__}")
+            accepted = bool(msg.accepted)
+        else:  # older peers answer with a TransferStatus for the reserved room 0
+            if not (isinstance(msg, wire.TransferStatus) and int(msg.room) == RESERVED_ROOM):
+                return self._refuse(f"{self.endpoint} answered RegisterInfo with {type(msg).__name__}")
+            accepted = msg.status == wire.Status.SUCCESS
+        if not accepted:
+            why = failure_from_wire(msg.failure_kind, msg.reason)
+            return self._refuse(f"prefill {self.peer.engine_id!r} refused the registration: {why.reason}")
+        self.state = DecodeConnState.READY
+        return [Ready(self.peer, self.position, self.version)]
+
+    def _on_room_message(self, msg: wire.Message) -> list[DecodeEvent]:
+        if isinstance(msg, wire.TransferStatus):
+            if int(msg.room) == RESERVED_ROOM:
+                return []  # a repeated registration answer: nothing is waiting for it
+            status = Status(int(msg.status))
+            failure = failure_from_wire(msg.failure_kind, msg.reason) if status == Status.FAILED else None
+            return [StatusReceived(int(msg.room), int(msg.sender_rank), status, failure)]
+        if isinstance(msg, wire.Notification):
+            return [completion(msg)]
+        if isinstance(msg, wire.AbortAck):
+            return [AbortAcked(int(msg.room), int(msg.sender_rank))]
+        if isinstance(msg, wire.RegisterAck):
+            return []  # a repeated registration answer
+        return [Problem(f"unexpected {type(msg).__name__} from {self.peer}")]
+
+    # ------------------------------------------------------------------ actions -> messages
+
+    def transfer_request(self, a: SendRequest) -> wire.TransferRequest:
+        r = a.indices
+        empty = np.zeros(0, dtype=np.int32)
+        return wire.TransferRequest(
+            room=a.room,
+            sender=self.local.endpoint,
+            dst_kv_indices=empty if a.is_dummy else r.kv_pages,
+            dst_aux_index=-1 if a.is_dummy or r.aux_index is None else r.aux_index,
+            required_dst_info_num=a.required,
+            decode_prefix_len=r.decode_prefix_len,
+            is_dummy=a.is_dummy,
+            state_indices=[] if a.is_dummy else list(r.state),
+        )
+
+    def abort(self, room: int, failure: Failure) -> wire.Abort:
+        return wire.Abort(room=room, sender=self.local.endpoint, reason=failure.reason)

@@ -1,0 +1,323 @@
+"""The prefill side of one decode peer's control connection: a pure state machine (h11 style).
+
+The edge decodes each message from the peer and hands it to :meth:`PrefillConnection.receive`;
+it gets back :mod:`.events`: messages to send (at the version this machine agreed), an
+:class:`~.events.AddPeer` for the transfer engine, and typed room events. The machine owns the
+handshake and every version rule of it:
+
+* ``Hello``: the same checks both sides run (:func:`.hello.check_hello`: version agreement,
+  roles, model, TP sizes; a descriptor-addressed backend refuses a version that cannot carry its
+  descriptors). Every Hello is answered with ours, refused or not, so the peer can name the cause.
+* ``RegisterInfo``: rebuilt as the planner's memory and validated against this rank's
+  (:func:`.registration.remote_memory`), prepared once (``prepare_peer``); then the engine adds
+  the peer (``AddPeer`` -> :meth:`peer_added` / :meth:`peer_refused`). The answer is a
+  ``RegisterAck`` from the version the schema introduced it in, a ``TransferStatus`` for the
+  reserved room 0 before that (older peers cannot decode the newer type) and whenever no
+  version is agreed.
+* ``TransferRequest``: checked as a whole (registered peer, dummy flag as routing says, prefix a
+  multiple of the page size, one state list per component, no destination page twice) and
+  turned into a :class:`~.prefill_room.Target` carrying its destination indices; a bad one is
+  answered Failed (validation) at once.
+* ``Abort``: passed on for the room. Anything else is a :class:`~.events.Problem`.
+
+The builders (:meth:`status`, :meth:`abort_ack`, :meth:`notification`) turn the session's
+actions into messages in the form the agreed version needs (typed failure kinds from their
+``since``, a ``"<kind>: "`` reason prefix before).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+from pdwire.runtime.config import ConfigError, ParallelRank
+from pdwire.runtime.indices import RESERVED_ROOM
+from pdwire.runtime.planner import PeerPlan, PlanError, RankMemory, prepare_peer
+from pdwire.runtime.session.actions import AuxPart, KvPart, Part, PeerRef, StatePart
+from pdwire.runtime.session.events import (
+    AbortRequested,
+    AddPeer,
+    PrefillEvent,
+    Problem,
+    Registered,
+    Requested,
+    Send,
+)
+from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_to_wire
+from pdwire.runtime.session.hello import (
+    MERGED_PARTS_SINCE,
+    REGISTER_ACK_SINCE,
+    check_descriptors,
+    check_hello,
+)
+from pdwire.runtime.session.prefill_room import Destination, Target
+from pdwire.runtime.session.registration import check_layout_version, join_region_descs, remote_memory
+from pdwire.runtime.session.status import Status
+
+from pdwire import wire
+
+
+class PrefillConnState(Enum):
+    AWAIT_HELLO = "await_hello"
+    REFUSED = "refused"  # the Hello was refused: a RegisterInfo gets the refusal, nothing else works
+    AWAIT_REGISTRATION = "await_registration"
+    ADDING_PEER = "adding_peer"  # the engine is adding the peer (AddPeer)
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLocal:
+    """This prefill rank, as every connection of it sees it."""
+
+    hello: wire.Hello
+    memory: RankMemory
+    sender_rank: int
+    backend_name: str
+    by_descriptor: bool  # the backend addresses memory by descriptor (MoRI)
+
+    @property
+    def page_size(self) -> int:
+        return self.memory.kv.page_size if self.memory.kv is not None else 1
+
+
+class PrefillConnection:
+    """One decode peer (one ROUTER identity). See the module notes."""
+
+    def __init__(self, local: PrefillLocal) -> None:
+        self.local = local
+        self.state = PrefillConnState.AWAIT_HELLO
+        self.version: tuple[int, int] | None = None
+        self.peer: PeerRef | None = None  # from the peer's Hello
+        self.plan: PeerPlan | None = None  # once registered
+        self.refusal: str | None = None
+        self._hello: wire.Hello | None = None  # the peer's accepted Hello, to check its registration
+        self._pending: PeerPlan | None = None  # prepared, waiting for the engine's add_peer
+
+    @property
+    def registered(self) -> bool:
+        return self.state is PrefillConnState.READY
+
+    # ------------------------------------------------------------------ messages in
+
+    def receive(self, msg: wire.Message) -> list[PrefillEvent]:
+        if isinstance(msg, wire.Hello):
+            return self._on_hello(msg)
+        if isinstance(msg, wire.RegisterInfo):
+            return self._on_register(msg)
+        if isinstance(msg, wire.TransferRequest):
+            return self._on_request(msg)
+        if isinstance(msg, wire.Abort):
+            return [] if self.peer is None else [AbortRequested(int(msg.room), self.peer)]
+        return [Problem(f"unexpected {type(msg).__name__} from decode peer {self.peer or '(no Hello yet)'}")]
+
+    def undecodable(self, error: str) -> list[PrefillEvent]:
+        """A message from the peer did not decode; a first one is answered with our Hello so the
+        peer can name the skew."""
+        events: list[PrefillEvent] = []
+        if self.state is PrefillConnState.AWAIT_HELLO:
+            events.append(Send(self.local.hello, None))
+        events.append(
+            Problem(f"undecodable message from decode peer {self.peer or '(no Hello yet)'}: {error}")
+        )
+        return events
+
+    def _on_hello(self, hello: wire.Hello) -> list[PrefillEvent]:
+        self.plan = self._pending = self._hello = None
+        try:
+            self.version = check_hello(self.local.hello, hello)
+            check_descriptors(
+                self.version, self.local.backend_name, self.local.by_descriptor, hello.engine_id
+            )
+            check_layout_version(
+                self.version, self.local.memory, hello.engine_id, own_layout=False,
+                prefill_tp=self.local.memory.position.tp_size, decode_tp=hello.geometry.tp_size,
+            )  # fmt: skip
+            try:
+                position = ParallelRank.from_geometry(hello.geometry)
+            except ConfigError as exc:
+                raise HandshakeError(f"decode {hello.engine_id!r} sent a bad geometry: {exc}") from None
+        except HandshakeError as exc:
+            self.state, self.version, self.peer, self.refusal = PrefillConnState.REFUSED, None, None, str(exc)
+        else:
+            self.state, self.refusal = PrefillConnState.AWAIT_REGISTRATION, None
+            self.peer = PeerRef(hello.engine_id, position.engine_rank)
+            self._hello = hello
+        # always answer: the peer runs the same checks and names the cause
+        return [Send(self.local.hello, self.version)]
+
+    def _on_register(self, info: wire.RegisterInfo) -> list[PrefillEvent]:
+        if self.peer is None or self.version is None:
+            return [self._refuse_registration(self.refusal or "RegisterInfo before a Hello")]
+        try:
+            self._check_against_hello(info)
+            remote = remote_memory(info, self.local.memory)
+            plan = prepare_peer(self.local.memory, remote)
+            descs = join_region_descs(info, remote)
+        except (HandshakeError, PlanError) as exc:
+            return [self._refuse_registration(f"{type(exc).__name__}: {exc}")]
+        except Exception as exc:
+            # a registration is the peer's data: whatever it makes the model raise (a zero
+            # divisor, an overflow, a wrong type) refuses that peer, never the rank
+            reason = f"malformed RegisterInfo ({type(exc).__name__}: {exc})"
+            return [self._refuse_registration(reason)]
+        self._pending, self.state = plan, PrefillConnState.ADDING_PEER
+        return [AddPeer(self.peer, info.agent_name, bytes(info.agent_metadata), descs)]
+
+    def _check_against_hello(self, info: wire.RegisterInfo) -> None:
+        """A registration speaks for the rank that sent the Hello: same engine, same grid
+        position (a TP size of 0 or one the Hello did not name would plan writes for another)."""
+        hello = self._hello
+        assert hello is not None
+        if info.engine_id != hello.engine_id:
+            raise HandshakeError(
+                f"RegisterInfo.engine_id {info.engine_id!r} is not the Hello's {hello.engine_id!r}"
+            )
+        if info.geometry != hello.geometry:
+            raise HandshakeError(
+                f"RegisterInfo.geometry {info.geometry} disagrees with the Hello's {hello.geometry}"
+            )
+
+    def peer_added(self) -> list[PrefillEvent]:
+        """The engine added the peer of the last :class:`~.events.AddPeer`: registered."""
+        assert self.state is PrefillConnState.ADDING_PEER and self.peer is not None
+        self.plan, self._pending, self.state = self._pending, None, PrefillConnState.READY
+        return [Send(self._register_answer(None), self.version), Registered(self.peer)]
+
+    def peer_refused(self, reason: str) -> list[PrefillEvent]:
+        """The engine could not add the peer: the registration is refused with ``reason``."""
+        assert self.state is PrefillConnState.ADDING_PEER
+        self._pending, self.state = None, PrefillConnState.AWAIT_REGISTRATION
+        return [self._refuse_registration(reason)]
+
+    def _refuse_registration(self, reason: str) -> Send:
+        return Send(self._register_answer(Failure(FailureKind.HANDSHAKE, reason)), self.version)
+
+    def _register_answer(self, failure: Failure | None) -> wire.Message:
+        """RegisterAck from its ``since``; a TransferStatus for room 0 before that or without an
+        agreed version (a refused Hello leaves it unknown, and every version reads TransferStatus)."""
+        kind, reason = failure_to_wire(failure, self.version)
+        rank = self.local.sender_rank
+        if self.version is not None and self.version >= REGISTER_ACK_SINCE:
+            return wire.RegisterAck(
+                accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason
+            )
+        status = wire.Status.SUCCESS if failure is None else wire.Status.FAILED
+        return wire.TransferStatus(
+            room=RESERVED_ROOM, status=status, sender_rank=rank, failure_kind=kind, reason=reason
+        )
+
+    def _on_request(self, req: wire.TransferRequest) -> list[PrefillEvent]:
+        room = int(req.room)
+        if self.plan is None or self.peer is None or not self.registered:
+            failure = Failure(FailureKind.VALIDATION, "TransferRequest from a peer that is not registered")
+            return [Send(self.status(room, Status.FAILED, failure), self.version)]
+        problem = self._request_problem(self.plan, req)
+        if problem is not None:  # the requester is told; its decode rank aborts the room everywhere
+            failure = Failure(FailureKind.VALIDATION, problem)
+            return [Send(self.status(room, Status.FAILED, failure), self.version)]
+        n = len(self.local.memory.state)
+        states = [np.zeros(0, np.int32) if s is None else np.asarray(s, np.int32) for s in req.state_indices]
+        dst = Destination(
+            np.asarray(req.dst_kv_indices, dtype=np.int32),
+            tuple(states) if states else tuple(np.zeros(0, np.int32) for _ in range(n)),
+            int(req.dst_aux_index),
+            int(req.decode_prefix_len) // self.local.page_size,
+        )
+        target = Target.of(self.peer, self.plan.is_dummy, self.plan.writes_aux, dst)
+        return [Requested(room, target, int(req.required_dst_info_num))]
+
+    def _request_problem(self, plan: PeerPlan, req: wire.TransferRequest) -> str | None:
+        """What makes a request unplannable as a whole, before any of it is posted."""
+        if int(req.room) == RESERVED_ROOM:
+            return f"room {RESERVED_ROOM} is reserved for registration answers"
+        if bool(req.is_dummy) != plan.is_dummy:
+            return f"request says is_dummy={req.is_dummy}, the rank routing says {plan.is_dummy}"
+        if int(req.required_dst_info_num) == 0:
+            # no request would ever complete the room, and its id would stay taken meanwhile
+            return "required_dst_info_num is 0: a room needs at least the request that asks for it"
+        prefix, page = int(req.decode_prefix_len), self.local.page_size
+        if (
+            not plan.is_dummy
+            and prefix == 0
+            and len(req.dst_kv_indices) == 0
+            and self.local.memory.kv is not None
+        ):
+            return "the request names no KV page and no cached prefix: a room of zero tokens"
+        if prefix % page:
+            return f"decode_prefix_len {prefix} is not a multiple of the page size {page}"
+        n = len(self.local.memory.state)
+        if len(req.state_indices) not in (0, n):
+            return f"{len(req.state_indices)} state index lists for {n} state components"
+        try:
+            # chunks are planned one slice at a time: a page named twice across a chunk
+            # boundary would be written twice, the later chunk silently winning; aliased
+            # registrations must not receive one byte twice either
+            plan.check_request(req.dst_kv_indices, list(req.state_indices), int(req.dst_aux_index))
+        except PlanError as exc:
+            return str(exc)
+        return None
+
+    # ------------------------------------------------------------------ actions -> messages
+
+    def status(self, room: int, status: Status, failure: Failure | None = None) -> wire.TransferStatus:
+        kind, reason = failure_to_wire(failure, self.version)
+        return wire.TransferStatus(
+            room=room, status=status, sender_rank=self.local.sender_rank, reason=reason, failure_kind=kind
+        )
+
+    def abort_ack(self, room: int) -> wire.AbortAck:
+        return wire.AbortAck(room=room, sender_rank=self.local.sender_rank)
+
+    def notification(self, room: int, part: Part) -> wire.Notification:
+        """The completion record of one posted part (rides on the engine write, or on the control
+        socket when there is nothing to write)."""
+        if isinstance(part, KvPart):
+            kind, chunk, last, comp = wire.NotificationKind.KV, part.chunk_id, part.is_last, 0
+        elif isinstance(part, StatePart):
+            kind, chunk, last, comp = wire.NotificationKind.STATE, 0, False, part.component
+        else:
+            assert isinstance(part, AuxPart)
+            kind, chunk, last, comp = wire.NotificationKind.AUX, 0, False, 0
+        return wire.Notification(
+            room=room,
+            kind=kind,
+            chunk_id=chunk,
+            is_last=last,
+            sender_rank=self.local.sender_rank,
+            component=comp,
+        )
+
+    @property
+    def merges_parts(self) -> bool:
+        """Whether this peer reads a notification naming several parts (protocol 1.5)."""
+        return self.version is not None and self.version >= MERGED_PARTS_SINCE
+
+    def merged_notification(self, room: int, parts: Sequence[Part]) -> wire.Notification:
+        """One notification for ``parts`` of one write (a run of :func:`.merging.runs`): its KV
+        chunks consecutive and in order, then state components and aux. Only for a peer that
+        :attr:`merges_parts`."""
+        kv = [p for p in parts if isinstance(p, KvPart)]
+        comps = [p.component for p in parts if isinstance(p, StatePart)]
+        aux = any(isinstance(p, AuxPart) for p in parts)
+        if any(b.chunk_id != a.chunk_id + 1 for a, b in itertools.pairwise(kv)):
+            raise ValueError(f"room {room}: KV chunks {[p.chunk_id for p in kv]} are not one run")
+        if kv:
+            kind, chunk, last, comp, also = wire.NotificationKind.KV, kv[0].chunk_id, kv[-1].is_last, 0, comps
+        elif comps:
+            kind, chunk, last, comp, also = wire.NotificationKind.STATE, 0, False, comps[0], comps[1:]
+        else:
+            kind, chunk, last, comp, also, aux = wire.NotificationKind.AUX, 0, False, 0, [], False
+        return wire.Notification(
+            room=room,
+            kind=kind,
+            chunk_id=chunk,
+            is_last=last,
+            sender_rank=self.local.sender_rank,
+            component=comp,
+            chunk_count=max(1, len(kv)),
+            also_components=np.asarray(also, dtype=np.uint32),
+            also_aux=aux,
+        )

@@ -1,0 +1,183 @@
+"""Staged transfers: a planner's descriptor table rewritten through contiguous staging buffers.
+
+A table of many small rows (NHD pages between different TP sizes: one row per token, layer and
+K/V, a head slice of a few hundred bytes) costs the engine per row. Staging moves those rows
+with host (or device) copies instead, so the engine sees few large rows:
+
+* **gather** (prefill side): copy every row's source bytes into a local staging buffer, in
+  destination order, then write staging -> destination. Rows whose destinations are adjacent
+  become one engine row: one per destination run (NHD P2 -> D4: one per page run per layer,
+  because a decode rank's head slice is its whole page).
+* **scatter** (decode side): write source -> a staging buffer on the peer, in source order, one
+  engine row per source run; the peer then copies every row into place.
+* **both**: gather locally, write the staging buffer in a handful of rows, scatter remotely.
+
+Each step is itself a :class:`DescriptorTable` (``gather``: local -> local staging; ``write``:
+what the engine posts; ``scatter``: remote staging -> remote destination, executed by the peer),
+so every step can be checked against its regions and executed by the reference executor: the
+oracle tests prove that the staged steps write exactly the bytes the direct table writes.
+Pure: numpy in, tables out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from pdwire.runtime.descriptors import DescriptorTable
+
+U64 = np.uint64
+MAX_WRITE_ROW = 64 << 20  # rows of a staged write are cut at this size (the engine splits work by row)
+
+
+class Mode(StrEnum):
+    DIRECT = "direct"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    BOTH = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class StagedPlan:
+    """The steps of one staged part. ``gather`` runs here before the post, ``write`` is posted,
+    ``scatter`` runs on the peer after the write landed; an unused step is an empty table.
+    ``local_bytes`` / ``remote_bytes``: staging space the part needs on each side."""
+
+    mode: Mode
+    gather: DescriptorTable
+    write: DescriptorTable
+    scatter: DescriptorTable
+    local_bytes: int
+    remote_bytes: int
+
+    @property
+    def engine_rows(self) -> int:
+        return len(self.write)
+
+
+def direct(table: DescriptorTable) -> StagedPlan:
+    e = DescriptorTable.empty()
+    return StagedPlan(Mode.DIRECT, e, table, e, 0, 0)
+
+
+def merge_runs(table: DescriptorTable) -> DescriptorTable:
+    """Merge consecutive rows (in table order) that continue one another on both sides."""
+    if len(table) < 2:
+        return table
+    s, d, n = table.src_addr, table.dst_addr, table.length
+    sr, dr = table.src_region, table.dst_region
+    cont = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
+    if not cont.any():
+        return table
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    lengths = np.add.reduceat(n, starts).astype(np.uint64, copy=False)
+    return DescriptorTable(s[starts], d[starts], lengths, sr[starts], dr[starts])
+
+
+def _order(addr: np.ndarray, region: np.ndarray) -> np.ndarray | None:
+    """Row order by (region, address); None when the rows are in that order already (the
+    planner's tables are: sorted by destination within each layer, layers in region order)."""
+    if len(addr) < 2:
+        return None
+    same = region[1:] == region[:-1]
+    if bool(((region[1:] > region[:-1]) | (same & (addr[1:] >= addr[:-1]))).all()):
+        return None
+    return np.lexsort((addr, region))
+
+
+def _take(column: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+    return column if order is None else column[order]
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each row starts in a staging buffer."""
+    out = np.zeros(len(lengths), dtype=np.uint64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], out=out[1:])
+    return out
+
+
+def _cut(base: int, total: int, region: int, dst: int, dst_region: int) -> DescriptorTable:
+    """One contiguous range ``[base, base + total) -> [dst, ...)`` as rows of at most MAX_WRITE_ROW."""
+    starts = np.arange(0, total, MAX_WRITE_ROW, dtype=np.uint64)
+    lengths = np.minimum(np.uint64(MAX_WRITE_ROW), np.uint64(total) - starts)
+    return DescriptorTable(
+        np.uint64(base) + starts,
+        np.uint64(dst) + starts,
+        lengths,
+        np.full(len(starts), region, np.uint32),
+        np.full(len(starts), dst_region, np.uint32),
+    )
+
+
+def gather(table: DescriptorTable, staging: int, staging_region: int) -> StagedPlan:
+    """Gather locally into ``[staging, staging + total)`` (region ``staging_region`` of this side),
+    in destination order, and write staging -> destination by destination runs."""
+    order = _order(table.dst_addr, table.dst_region)
+    n = _take(table.length, order)
+    at = np.uint64(staging) + _offsets(n)
+    region = np.full(len(n), staging_region, np.uint32)
+    g = merge_runs(
+        DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), region)
+    )
+    w = merge_runs(
+        DescriptorTable(at, _take(table.dst_addr, order), n, region, _take(table.dst_region, order))
+    )
+    return StagedPlan(Mode.GATHER, g, w, DescriptorTable.empty(), table.total_bytes, 0)
+
+
+def scatter(table: DescriptorTable, remote_staging: int, remote_region: int) -> StagedPlan:
+    """Write source -> the peer's ``[remote_staging, + total)`` by source runs (in source order);
+    the peer then scatters staging -> destination."""
+    order = _order(table.src_addr, table.src_region)
+    n = _take(table.length, order)
+    at = np.uint64(remote_staging) + _offsets(n)
+    region = np.full(len(n), remote_region, np.uint32)
+    w = merge_runs(
+        DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), region)
+    )
+    sc = merge_runs(
+        DescriptorTable(at, _take(table.dst_addr, order), n, region, _take(table.dst_region, order))
+    )
+    return StagedPlan(Mode.SCATTER, DescriptorTable.empty(), w, sc, 0, table.total_bytes)
+
+
+def both(
+    table: DescriptorTable, staging: int, staging_region: int, remote_staging: int, remote_region: int
+) -> StagedPlan:
+    """Gather here in destination order, write the whole staging buffer, scatter on the peer."""
+    order = _order(table.dst_addr, table.dst_region)
+    n = _take(table.length, order)
+    off = _offsets(n)
+    total = table.total_bytes
+    local = np.full(len(n), staging_region, np.uint32)
+    remote = np.full(len(n), remote_region, np.uint32)
+    g = merge_runs(
+        DescriptorTable(
+            _take(table.src_addr, order), np.uint64(staging) + off, n, _take(table.src_region, order), local
+        )
+    )
+    w = _cut(staging, total, staging_region, remote_staging, remote_region)
+    sc = merge_runs(
+        DescriptorTable(
+            np.uint64(remote_staging) + off,
+            _take(table.dst_addr, order),
+            n,
+            remote,
+            _take(table.dst_region, order),
+        )
+    )
+    return StagedPlan(Mode.BOTH, g, w, sc, total, total)
+
+
+def runs(table: DescriptorTable, side: str) -> int:
+    """Engine rows a one-sided staging of ``table`` would post: runs of adjacent rows on ``side``
+    ("dst" for gather, "src" for scatter) after sorting by that side. Cheap: no table is built."""
+    addr, region = (table.dst_addr, table.dst_region) if side == "dst" else (table.src_addr, table.src_region)
+    if len(table) < 2:
+        return len(table)
+    order = _order(addr, region)
+    a, r, n = _take(addr, order), _take(region, order), _take(table.length, order)
+    breaks = (a[1:] != a[:-1] + n[:-1]) | (r[1:] != r[:-1])
+    return int(breaks.sum()) + 1

@@ -1,0 +1,50 @@
+"""What both workers do before their first message: get a backend and register the rank's memory."""
+
+from __future__ import annotations
+
+import os
+
+from pdwire.runtime.backends import Backend, create_backend
+from pdwire.runtime.config import ConfigError, ParallelRank, WorkerConfig
+from pdwire.runtime.planner import PlanError, RankMemory, regions
+
+
+def owned_backend(config: WorkerConfig, role: str, backend: Backend | None) -> tuple[Backend, bool]:
+    """The engine's backend (not owned), or one created from the config (owned: the worker closes it)."""
+    if backend is not None:
+        return backend, False
+    options = dict(config.backend_options)
+    options["agent_name"] = config.agent_name(role, os.getpid())
+    options.setdefault("transfer_timeout_s", config.transfer_timeout_s)
+    return create_backend(config.backend, **options), True
+
+
+def register_memory(backend: Backend, memory: RankMemory, rank: ParallelRank) -> None:
+    """Check ``memory`` against the configured rank and register its regions, in the planner's
+    region order (descriptors index the backend's regions by that order).
+
+    A backend that already holds exactly these regions (the engine registered them) is left
+    alone; any other registration would shift every region index, and is refused.
+    """
+    pos = memory.position
+    for name, want, have in (
+        ("tp_size", rank.tp_size, pos.tp_size),
+        ("tp_rank", rank.tp_rank, pos.tp_rank),
+        ("pp_size", rank.pp_size, pos.pp_size),
+        ("pp_rank", rank.pp_rank, pos.pp_rank),
+    ):
+        if want != have:
+            raise ConfigError(f"memory.position.{name} is {have}, the worker's rank says {want}")
+    try:
+        wanted = regions(memory)
+    except PlanError as exc:
+        raise ConfigError(f"the rank's memory does not describe itself consistently: {exc}") from exc
+    held = [(r.base, r.length) for r in backend.regions]
+    if not held:
+        backend.register(wanted)
+        return
+    if held != [(r.base, r.length) for r in wanted]:
+        raise ConfigError(
+            f"backend {backend.agent_name!r} already holds {len(held)} regions that are not this memory's "
+            f"{len(wanted)} regions in planner order; give the worker a backend with nothing registered"
+        )

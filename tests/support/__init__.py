@@ -1,0 +1,1 @@
+"""Reusable test utilities: a real etcd server, two hosts in network namespaces."""
