@@ -1,0 +1,1 @@
+"""Engine integrations built on pdwire's engine-facing runtime API."""

@@ -1,0 +1,1 @@
+"""pdwire as an SGLang transfer backend (``--disaggregation-transfer-backend pdwire``)."""

@@ -1,0 +1,756 @@
+"""pdwire's SGLang transfer backend: manager, sender, receiver and bootstrap server.
+
+SGLang's schedulers drive a transfer backend through four classes
+(``sglang.srt.disaggregation.base.conn``); these implement them over pdwire's engine-facing
+runtime (``pdwire.runtime.engine``), nothing else:
+
+* :class:`PdwireKVManager` (one per scheduler rank) describes the rank's memory from
+  ``KVArgs`` (:mod:`.memory`), builds a pdwire ``PrefillWorker`` or ``DecodeWorker`` and runs
+  it on a ``WorkerThread``: the scheduler thread only queues calls and reads statuses, it never
+  waits on a transfer. The rank's geometry (attention TP, PP, attention DP) comes from SGLang's
+  parallel state, as for SGLang's own backends. A prefill rank registers its pdwire endpoint
+  (``rank_ip``/``rank_port`` of the worker's ROUTER socket) with SGLang's own bootstrap server
+  (``PUT /route``); a decode rank reads the prefill topology and the endpoints from it
+  (``GET /route``) and handshakes with the prefill ranks its routing names, once per prefill
+  DP group.
+* :class:`PdwireKVSender` (prefill, one per request) hands each chunk's pages to the worker;
+  the state indices and the aux index ride on the last chunk. ``poll`` reads the room's
+  status: Bootstrapping until every decode rank asked, WaitingForInput, Transferring, and
+  Success or Failed once nothing of the room is in flight any more (the worker's
+  ``on_released``).
+* :class:`PdwireKVReceiver` (decode, one per request) asks for the room with the request's
+  pages, per-component state indices, aux index and decode prefix length; ``poll`` reports
+  Success or Failed when the worker finished the room (``on_finished``).
+  ``is_abort_release_safe`` and the manager's ``supports_deferred_decode_kv_release`` are
+  pdwire's fence: a failed room's destination pages are safe to reuse once every prefill
+  rank that could write into them confirmed it stopped (``on_slots_released``).
+* :class:`PdwireKVBootstrapServer` is SGLang's own ``CommonKVBootstrapServer``.
+
+pdwire peers only talk to pdwire peers: a decode rank of another backend cannot connect to a
+pdwire prefill rank (ZMQ refuses the socket pairing) and the handshake times out naming the
+endpoint; to read or convert the frames today's backends send, use pdwire's SGLang profile
+(``pdwire.wire.sglang``, ``pdwire inspect``).
+
+Environment: ``PDWIRE_SGLANG_ENGINE`` picks the transfer engine (``nixl``, ``mooncake``,
+``local``; default NIXL when it imports), ``PDWIRE_ENGINE_ID`` overrides the engine id.
+SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``..._WAITING_TIMEOUT`` bound the
+waits as they do for its own backends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import requests
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    KVTransferError,
+    PrefillServerInfo,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+import pdwire.runtime.engine as pd
+from pdwire.integrations.sglang.memory import (
+    Geometry,
+    KVArgsError,
+    fill_decode_heads,
+    rank_memory,
+    state_kinds,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL = {
+    pd.Status.FAILED: KVPoll.Failed,
+    pd.Status.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    pd.Status.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    pd.Status.TRANSFERRING: KVPoll.Transferring,
+    pd.Status.SUCCESS: KVPoll.Success,
+}
+# state kinds whose request indices SGLang computes from the decode prefix (window or suffix)
+_PREFIX_DEPENDENT = {"swa", "dsa", "nsa", "minimax_index_k", "block_scale_swa"}
+
+
+class PdwireKVBootstrapServer(CommonKVBootstrapServer):  # type: ignore[misc]
+    """SGLang's own bootstrap server (``/route``, ``/register_dp_rank``, ``/query_dp_ranks``,
+    ``/health``): pdwire prefill ranks register their endpoint there like any backend's."""
+
+
+def _env_timeout(name: str, default: float) -> float:
+    from sglang.srt.environ import envs
+
+    try:
+        return float(getattr(envs, name).get())
+    except Exception:  # an SGLang build without the variable
+        return default
+
+
+def _memory_kind() -> pd.MemoryKind:
+    try:
+        import torch
+
+        return pd.MemoryKind.VRAM if torch.cuda.is_available() else pd.MemoryKind.DRAM
+    except ImportError:  # pragma: no cover - SGLang always has torch
+        return pd.MemoryKind.DRAM
+
+
+class _Driver:
+    """Steps the worker on its thread and publishes the statuses the scheduler polls.
+
+    The worker is not thread-safe; after each step the driver copies the status of every room
+    a sender watches into a dict the scheduler thread reads without waiting."""
+
+    def __init__(self, worker: Any, watched: dict[int, KVPoll]) -> None:
+        self.worker = worker
+        self.watched = watched
+
+    @property
+    def poller(self) -> Any:
+        return self.worker.poller
+
+    def step(self, timeout_ms: int) -> dict[Any, int]:
+        events: dict[Any, int] = self.worker.step(timeout_ms)
+        for room in list(self.watched):
+            st = self.worker.status(room)
+            if st is not None:
+                self.watched[room] = _POLL[st]
+        return events
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
+    """One scheduler rank's pdwire worker (see the module notes)."""
+
+    # pdwire's fence: a failed room's destination slots are reported reusable only once every
+    # prefill rank that could write into them stopped (DecodeWorker.on_slots_released).
+    supports_deferred_decode_kv_release = True
+    supports_host_destination = False
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        from sglang.srt.environ import envs
+        from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.kv_cache_dtype_str = getattr(args, "kv_cache_dtype_str", "auto")
+        parallel = get_parallel()
+        self.attn_tp_size = int(parallel.attn_tp_size)
+        self.attn_tp_rank = int(parallel.attn_tp_rank)
+        self.attn_cp_size = int(parallel.attn_cp_size)
+        self.attn_cp_rank = int(parallel.attn_cp_rank)
+        self.attn_dp_size = int(parallel.attn_dp_size)
+        self.attn_dp_rank = int(parallel.attn_dp_rank)
+        self.system_dp_size = int(parallel.dp_size)
+        self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        self.pp_size = int(parallel.pp_size)
+        self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        self.dist_init_addr = parallel.dist_init_addr
+        self.load_balance_method = parallel.load_balance_method
+        self.bootstrap_host = get_serving().host
+        self.bootstrap_port = int(get_disagg().disaggregation_bootstrap_port)
+        self.http_port = int(get_serving().port)
+        self.enable_deferred_decode_kv_release = bool(
+            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
+        )
+        self.bootstrap_timeout = _env_timeout("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0)
+        self.waiting_timeout = _env_timeout("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
+        # what the schedulers read outside the base classes
+        self.enable_all_cp_ranks_for_transfer = False
+        self.transfer_infos: dict[int, Any] = {}
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self.defer_decode_allocation = False
+
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        self.local_ip = get_local_ip_auto()
+        self.kinds = state_kinds(args)
+        if disaggregation_mode == DisaggregationMode.DECODE and not is_mla_backend:
+            fill_decode_heads(args)
+        try:
+            self.memory = rank_memory(
+                args,
+                Geometry(
+                    self.attn_tp_size, self.attn_tp_rank, self.pp_size, self.pp_rank,
+                    is_mla=self.is_mla_backend, memory_kind=_memory_kind(),
+                ),
+            )  # fmt: skip
+        except KVArgsError as exc:
+            raise ValueError(f"pdwire cannot describe this rank's memory: {exc}") from exc
+        self.rank = pd.ParallelRank(
+            tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
+            cp_size=self.attn_cp_size, cp_rank=self.attn_cp_rank,
+        )  # fmt: skip
+        self.model = pd.ModelFingerprint(
+            model_name=str(getattr(server_args, "served_model_name", None) or server_args.model_path),
+            revision=str(getattr(server_args, "revision", None) or ""),
+            dtype=str(self.kv_cache_dtype_str),
+            num_layers=0,  # PP stages hold different layers; the name, revision and dtype identify the model
+        )
+        self.engine_name = os.environ.get("PDWIRE_SGLANG_ENGINE") or None
+        self._lock = threading.Lock()
+        # prefill: room -> status, refreshed by the driver; decode: room -> (status, failure)
+        self.watched: dict[int, KVPoll] = {}
+        self.outcomes: dict[int, tuple[KVPoll, str | None]] = {}
+        # decode rooms whose destination slots may be reused (bounded: a success's release can
+        # arrive after the scheduler cleared the receiver)
+        self.released: dict[int, None] = {}
+        self.failures: dict[int, str] = {}
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._start_prefill()
+        elif disaggregation_mode == DisaggregationMode.DECODE:
+            self._start_decode()
+        else:
+            raise ValueError(f"pdwire: unsupported disaggregation mode {disaggregation_mode}")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _engine_id(self, role: str) -> str:
+        if os.environ.get("PDWIRE_ENGINE_ID"):
+            return f"{os.environ['PDWIRE_ENGINE_ID']}-{role}"
+        host = self.dist_init_addr or f"{self.local_ip}:{self.http_port}"
+        return f"sglang-{role}@{host}"
+
+    def _start_prefill(self) -> None:
+        config = pd.PrefillConfig(
+            engine_id=self._engine_id("prefill"), rank=self.rank, model=self.model, backend=self.engine_name,
+            bind=f"tcp://{self.local_ip}:0", room_timeout_s=self.waiting_timeout + self.bootstrap_timeout,
+        )  # fmt: skip
+        self.worker: Any = pd.PrefillWorker(config, self.memory, on_released=self._on_released)
+        self.thread = pd.WorkerThread(_Driver(self.worker, self.watched), name="pdwire-prefill").start()
+        self.register_to_bootstrap()
+
+    def _start_decode(self) -> None:
+        from sglang.srt.runtime_context import get_disagg
+
+        if get_disagg().disaggregation_decode_enable_radix_cache and _PREFIX_DEPENDENT & set(self.kinds):
+            # SGLang's prefill computes these index lists from the decode prefix length, which a
+            # pdwire prefill rank cannot read back from the runtime (see docs/sglang.md)
+            raise ValueError(
+                "pdwire: --disaggregation-decode-enable-radix-cache with state kinds "
+                f"{sorted(_PREFIX_DEPENDENT & set(self.kinds))} is not supported"
+            )
+        config = pd.DecodeConfig(
+            engine_id=self._engine_id("decode"), rank=self.rank, model=self.model, backend=self.engine_name,
+            room_timeout_s=self.waiting_timeout,
+        )  # fmt: skip
+        self.worker = pd.DecodeWorker(
+            config,
+            self.memory,
+            on_finished=self._on_finished,
+            on_slots_released=self._on_slots_released,
+            on_connected=self._on_connected,
+        )
+        self.thread = pd.WorkerThread(_Driver(self.worker, self.watched), name="pdwire-decode").start()
+        self._groups: dict[tuple[str, int], Future[Any]] = {}
+        self._connecting: dict[pd.PrefillGroup, Future[Any]] = {}  # worker thread only
+        self._endpoints: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self.thread.submit(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ callbacks (worker thread)
+
+    def _on_released(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
+        if failure is not None:
+            self.failures[room] = failure.reason
+        self.outcomes[room] = (_POLL[status], None if failure is None else failure.reason)
+
+    def _on_finished(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
+        self.outcomes[room] = (_POLL[status], None if failure is None else failure.reason)
+
+    def _on_connected(self, group: pd.PrefillGroup) -> None:
+        fut = self._connecting.pop(group, None)
+        if fut is None:
+            return
+        if group.ready:
+            fut.set_result(group)
+        else:
+            fut.set_exception(pd.HandshakeError(group.error or f"connecting to {group} failed"))
+
+    def _connect(self, endpoints: list[str], pp_size: int, fut: Future[Any]) -> None:
+        """On the worker thread: start the handshake (it runs in the worker's steps, never holding
+        the loop); ``fut`` resolves in :meth:`_on_connected`."""
+        try:
+            group = self.worker.connect(endpoints, prefill_pp=pp_size)
+        except Exception as exc:
+            fut.set_exception(exc)
+            return
+        self._connecting[group] = fut
+
+    def _on_slots_released(self, room: int) -> None:
+        self.released[room] = None
+        while len(self.released) > 65536:
+            self.released.pop(next(iter(self.released)))
+
+    # ------------------------------------------------------------------ bootstrap (prefill)
+
+    def _bootstrap_url(self) -> str:
+        if self.dist_init_addr:
+            host = str(self.dist_init_addr).rsplit(":", 1)[0]
+        else:
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.bootstrap_port}/route"
+
+    def register_to_bootstrap(self) -> None:
+        """``PUT /route``: this rank's pdwire endpoint in SGLang's bootstrap server."""
+        endpoint = self.worker.endpoint  # tcp://HOST:PORT of the worker's ROUTER
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+        payload = {
+            "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
+            "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
+            "attn_dp_size": self.attn_dp_size, "attn_dp_rank": self.attn_dp_rank,
+            "pp_size": self.pp_size, "pp_rank": self.pp_rank,
+            "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
+            "rank_ip": host.strip("[]"), "rank_port": int(port),
+            "page_size": self.kv_args.page_size, "kv_cache_dtype": self.kv_cache_dtype_str,
+            "load_balance_method": self.load_balance_method, "prefill_http_port": self.http_port,
+        }  # fmt: skip
+        url = self._bootstrap_url()
+        delay = 0.2
+        for attempt in range(10):  # the bootstrap server may still be starting
+            try:
+                response = requests.put(url, json=payload, timeout=5)
+                if response.status_code == 200:
+                    return
+                raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
+            except requests.RequestException as exc:
+                if attempt == 9:
+                    raise RuntimeError(
+                        f"pdwire: cannot register with the bootstrap server {url}: {exc}"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ------------------------------------------------------------------ bootstrap (decode)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Read the prefill topology once (``GET /route`` with every index -1); False while
+        the prefill instance is not fully registered (the scheduler retries)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+        try:
+            response = requests.get(url, timeout=5)
+        except requests.RequestException as exc:
+            logger.debug("pdwire: bootstrap %s not reachable: %s", bootstrap_addr, exc)
+            return False
+        if response.status_code != 200:
+            return False
+        data = response.json()
+        fields = PrefillServerInfo.__dataclass_fields__
+        info = PrefillServerInfo(**{k: v for k, v in data.items() if k in fields})
+        if info.page_size is not None and info.page_size != self.kv_args.page_size:
+            raise RuntimeError(
+                f"pdwire: prefill {bootstrap_addr} uses page size {info.page_size}, "
+                f"this decode {self.kv_args.page_size}"
+            )
+        if info.kv_cache_dtype is not None and info.kv_cache_dtype != self.kv_cache_dtype_str:
+            raise RuntimeError(
+                f"pdwire: prefill {bootstrap_addr} uses KV dtype {info.kv_cache_dtype}, this decode "
+                f"{self.kv_cache_dtype_str}"
+            )
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def _rank_endpoints(
+        self, bootstrap_addr: str, dp_rank: int, info: PrefillServerInfo
+    ) -> list[dict[str, Any]]:
+        out = []
+        for pp in range(info.pp_size):
+            for tp in range(info.attn_tp_size):
+                url = (
+                    f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
+                    f"&target_tp_rank={tp}&target_pp_rank={pp}"
+                )
+                response = requests.get(url, timeout=5)
+                if response.status_code != 200:
+                    raise RuntimeError(
+                        f"bootstrap {bootstrap_addr}: no prefill rank tp {tp}, pp {pp}: {response.text}"
+                    )
+                out.append(dict(response.json(), tp_rank=tp, pp_rank=pp))
+        return out
+
+    def group(self, bootstrap_addr: str, dp_rank: int) -> Future[Any]:
+        """The handshaken prefill DP group of ``bootstrap_addr`` (connected once, on the worker
+        thread; a failed handshake is forgotten so the next request tries again)."""
+        key = (bootstrap_addr, dp_rank)
+        with self._lock:
+            fut = self._groups.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                return fut
+            info = self.prefill_info_table[bootstrap_addr]
+            try:
+                ranks = self._rank_endpoints(bootstrap_addr, dp_rank, info)
+            except (requests.RequestException, RuntimeError) as exc:
+                fut = Future()
+                fut.set_exception(exc)
+                return fut
+            self._endpoints[key] = ranks
+            endpoints = [f"tcp://{_bracket(r['rank_ip'])}:{int(r['rank_port'])}" for r in ranks]
+            fut = Future()  # resolved once the group is ready (or its handshake failed)
+            started = self.submit(self._connect, endpoints, info.pp_size, fut)
+
+            def not_started(f: Future[Any]) -> None:  # the worker thread had stopped
+                exc = f.exception()
+                if exc is not None and not fut.done():
+                    fut.set_exception(exc)
+
+            started.add_done_callback(not_started)
+            self._groups[key] = fut
+            return fut
+
+    # ------------------------------------------------------------------ deferred release (decode)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        return bootstrap_room in self.released
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self.released.pop(bootstrap_room, None)
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is None or info.attn_tp_size == self.attn_tp_size
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def teardown(self) -> None:
+        self.thread.close()
+
+    def close(self) -> None:
+        self.teardown()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _state_lists(state_indices: list[Any] | None, n: int, what: str) -> list[Any] | None:
+    """SGLang's per-component state payloads as pdwire's index arrays (None stays absent)."""
+    if state_indices is None:
+        return None
+    if len(state_indices) != n:
+        raise pd.IndicesError(f"{what}: {len(state_indices)} state index lists for {n} state components")
+    out: list[Any] = []
+    for idx in state_indices:
+        if idx is None:
+            out.append(None)
+            continue
+        if hasattr(idx, "cpu"):  # a torch tensor
+            idx = idx.cpu().numpy()
+        parts = [np.asarray(p.cpu().numpy() if hasattr(p, "cpu") else p).reshape(-1) for p in idx] \
+            if isinstance(idx, list | tuple) else [np.asarray(idx).reshape(-1)]  # fmt: skip
+        out.append(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+    return out
+
+
+class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
+    """A prefill request's sender (see the module notes)."""
+
+    def __init__(
+        self,
+        mgr: PdwireKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room)
+        self.bootstrap_server_url = bootstrap_addr
+        self.conclude_state: KVPoll | None = None
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
+        self.curr_idx = 0
+        self._early_send_wait_event: Any = None  # set by the scheduler under overlap (a CUDA event)
+        self._metric = KVTransferMetric()
+        self._pages_sent = 0
+        self._start: float | None = None
+        self._failure: str | None = None
+        self.init_time = time.time()
+        mgr.watched[self.bootstrap_room] = KVPoll.Bootstrapping
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = None if aux_index is None else int(aux_index)
+
+    def pop_decode_prefix_len(self) -> int:
+        # pdwire's prefill rank skips the pages each decode rank already holds itself, so the
+        # scheduler sends the whole prompt (see docs/sglang.md)
+        return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        mem = self.kv_mgr.memory
+        page = (mem.kv.bytes_per_page * (1 if mem.kv.is_mla else 2) * mem.kv.num_layers) if mem.kv else 0
+        self._metric.transfer_total_bytes = self._pages_sent * page
+        return self._metric
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self.conclude_state = KVPoll.Failed
+
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+        indices_event: Any = None,
+    ) -> None:
+        if self.conclude_state is not None:
+            return
+        if hasattr(kv_indices, "cpu"):
+            kv_indices = kv_indices.cpu().numpy()
+        pages = np.asarray(kv_indices).reshape(-1)
+        self.curr_idx += len(pages)
+        last = state_indices is not None or (
+            self.num_kv_indices is not None and self.curr_idx >= self.num_kv_indices
+        )
+        try:
+            state = _state_lists(state_indices, len(self.kv_mgr.memory.state), "send") if last else None
+            if last and state is None:
+                state = [None] * len(self.kv_mgr.memory.state)
+        except (pd.IndicesError, ValueError) as exc:
+            self._fail(f"bad state indices: {exc}")
+            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure)
+            return
+        if self._start is None:
+            self._start = time.perf_counter()
+        wait = self._early_send_wait_event or indices_event
+        self._early_send_wait_event = None
+        self._pages_sent += len(pages)
+        fut = self.kv_mgr.submit(
+            _send_chunk, self.kv_mgr.worker, wait, self.bootstrap_room, pages, last,
+            state, self.aux_index if last else None,
+        )  # fmt: skip
+        fut.add_done_callback(self._on_sent)
+
+    def _on_sent(self, fut: Future[Any]) -> None:
+        exc = fut.exception()
+        if exc is not None:  # refused indices: nothing was recorded; the room is given up
+            self._failure = f"{type(exc).__name__}: {exc}"
+            self.kv_mgr.failures[self.bootstrap_room] = self._failure
+            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        room = self.bootstrap_room
+        outcome = self.kv_mgr.outcomes.get(room)
+        if outcome is not None:
+            self.conclude_state, reason = outcome
+            if reason:
+                self._failure = reason
+            if self.conclude_state == KVPoll.Success and self._start is not None:
+                self._metric.transfer_latency_s = time.perf_counter() - self._start
+            return self.conclude_state
+        if self._failure is not None:
+            return KVPoll.Transferring  # the abort is under way; Failed once it drained
+        status = self.kv_mgr.watched.get(room, KVPoll.Bootstrapping)
+        if status == KVPoll.Bootstrapping and time.time() - self.init_time > self.kv_mgr.bootstrap_timeout:
+            reason = (
+                f"Request {room} timed out after {self.kv_mgr.bootstrap_timeout:.0f}s in KVPoll.Bootstrapping"
+            )
+            self._fail(reason)
+            self.kv_mgr.submit(self.kv_mgr.worker.abort, room, reason)
+            return KVPoll.Failed
+        if status in (KVPoll.Success, KVPoll.Failed):
+            return KVPoll.Transferring  # terminal in the worker; final once on_released ran
+        return status
+
+    poll_pp_consensus = poll
+
+    def failure_exception(self) -> None:
+        self.conclude_state = KVPoll.Failed
+        reason = self._failure or self.kv_mgr.failures.get(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(
+            self.bootstrap_room, reason or "Failed due to an unknown reason from another rank",
+            is_from_another_rank=reason is None,
+        )  # fmt: skip
+
+    def abort(self) -> None:
+        if self.conclude_state is None or self.conclude_state != KVPoll.Failed:
+            self._fail("Aborted by AbortReq.")
+            self.kv_mgr.submit(
+                self.kv_mgr.worker.abort, self.bootstrap_room, "aborted by the prefill scheduler"
+            )
+
+    def clear(self) -> None:
+        self.kv_mgr.watched.pop(self.bootstrap_room, None)
+        self.kv_mgr.outcomes.pop(self.bootstrap_room, None)
+        self.kv_mgr.failures.pop(self.bootstrap_room, None)
+
+
+def _send_chunk(
+    worker: Any, wait: Any, room: int, pages: Any, last: bool, state: Any, aux: int | None
+) -> None:
+    """On the worker thread: wait for the GPU writes the chunk depends on, then hand it over."""
+    if wait is not None and hasattr(wait, "synchronize"):
+        wait.synchronize()
+    worker.send_chunk(room, pages, last=last, state=state, aux_index=aux)
+
+
+class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
+    """A decode request's receiver (see the module notes)."""
+
+    def __init__(self, mgr: PdwireKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else 0
+        self.conclude_state: KVPoll | None = None
+        self.require_staging = False
+        self.abort_notified = False
+        self.bootstrap_infos: list[dict[str, Any]] | None = None
+        self.prefill_info: PrefillServerInfo | None = None
+        self.init_time: float | None = None
+        self._group: Future[Any] | None = None
+        self._started: Future[Any] | None = None
+        self._failure: str | None = None
+        self._created = time.time()
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False
+
+    def _fail(self, reason: str) -> None:
+        self._failure = self._failure or reason
+        self.conclude_state = KVPoll.Failed
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self.conclude_state is not None:
+            return
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            self._fail(
+                f"prefill {self.bootstrap_addr}: no topology (try_ensure_parallel_info did not succeed)"
+            )
+            return
+        self.prefill_info = info
+        self.prefill_dp_rank = int(prefill_dp_rank)
+        self._group = self.kv_mgr.group(self.bootstrap_addr, self.prefill_dp_rank)
+        self.bootstrap_infos = self.kv_mgr._endpoints.get((self.bootstrap_addr, self.prefill_dp_rank), [])
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: Any = None,
+    ) -> None:
+        if self.conclude_state is not None:
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("pdwire: host KV destinations are not supported")
+        if self._group is None or not self._group.done() or self._group.exception() is not None:
+            self._fail("send_metadata before the prefill group was connected")
+            return
+        try:
+            if hasattr(kv_indices, "cpu"):
+                kv_indices = kv_indices.cpu().numpy()
+            n = len(self.kv_mgr.memory.state)
+            state = _state_lists(state_indices, n, "send_metadata") if n else []
+            indices = pd.RequestIndices(
+                np.asarray(kv_indices).reshape(-1), state if state is not None else [None] * n,
+                aux_index=aux_index, decode_prefix_len=int(decode_prefix_len or 0),
+            )  # fmt: skip
+        except (pd.IndicesError, ValueError) as exc:
+            self._fail(f"bad request indices: {exc}")
+            return
+        self._started = self.kv_mgr.submit(
+            self.kv_mgr.worker.start_room, self.bootstrap_room, indices, self._group.result()
+        )
+        self.init_time = time.time()
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._group is None:
+            return KVPoll.Bootstrapping
+        if not self._group.done():
+            if time.time() - self._created > self.kv_mgr.bootstrap_timeout:
+                self._fail(f"no handshake with prefill {self.bootstrap_addr} within the bootstrap timeout")
+                return KVPoll.Failed
+            return KVPoll.Bootstrapping
+        exc = self._group.exception()
+        if exc is not None:
+            self._fail(f"handshake with prefill {self.bootstrap_addr} failed: {exc}")
+            return KVPoll.Failed
+        if self._started is None:
+            return KVPoll.WaitingForInput
+        if self._started.done() and self._started.exception() is not None:
+            self._fail(f"{type(self._started.exception()).__name__}: {self._started.exception()}")
+            return KVPoll.Failed
+        outcome = self.kv_mgr.outcomes.get(self.bootstrap_room)
+        if outcome is not None:
+            self.conclude_state, reason = outcome
+            if reason:
+                self._failure = reason
+            return self.conclude_state
+        return KVPoll.WaitingForInput
+
+    def failure_exception(self) -> None:
+        self.conclude_state = KVPoll.Failed
+        reason = self._failure
+        self.clear()
+        raise KVTransferError(
+            self.bootstrap_room, reason or "Failed due to an unknown reason from another rank",
+            is_from_another_rank=reason is None,
+        )  # fmt: skip
+
+    def abort(self) -> None:
+        if self.conclude_state != KVPoll.Failed:
+            self._fail("Aborted by AbortReq.")
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell every prefill rank to stop (once); the room's slots come back on the fence."""
+        if self.abort_notified:
+            return
+        self.abort_notified = True
+        if self._started is not None:
+            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure or "aborted")
+        else:  # nothing was asked for: nothing can be written
+            self.kv_mgr.released[self.bootstrap_room] = None
+
+    def is_abort_release_safe(self) -> bool:
+        return self._started is None or self.bootstrap_room in self.kv_mgr.released
+
+    def clear(self) -> None:
+        self.kv_mgr.outcomes.pop(self.bootstrap_room, None)
+
+
+__all__ = [
+    "PdwireKVBootstrapServer",
+    "PdwireKVManager",
+    "PdwireKVReceiver",
+    "PdwireKVSender",
+]

@@ -1,0 +1,327 @@
+"""SGLang's ``KVArgs`` as pdwire's memory description (``RankMemory``).
+
+Pure: it reads the fields SGLang 0.5.23's ``PrefillBootstrapQueue._init_kv_manager`` and
+``DecodePreallocQueue._init_kv_manager`` fill (``get_contiguous_buf_infos`` of the pools,
+``setup_state_kv_args``, the metadata buffers) and never imports SGLang, so it is testable
+without it. What SGLang lays out:
+
+* **KV**: ``kv_data_ptrs`` is ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]`` per layer buffer (MLA: one
+  latent per layer), a draft model's own ``[K.., V..]`` appended (``num_draft_entries``);
+  ``kv_item_lens[l]`` is one page of layer ``l``; pages are token-major (NHD, the only layout
+  SGLang's PD transfer supports for MHA). ``kv_head_num`` is the heads per rank,
+  ``total_kv_head_num`` the model's.
+* **State**: one pdwire component per entry of ``state_types``, in that order (both sides
+  build the list with the same code, and pdwire matches components by position and checks
+  their kinds). Entries are tensor-major x layer; ``state_layer_ids`` names each entry's
+  layer, which says where one tensor ends. ``state_dim_per_tensor`` is the rank's size of the
+  TP-sharded axis (0: replicated), ``state_slice_outer_counts`` the rows in front of it,
+  ``state_conv_shard_groups`` the full sizes of independently sharded sub-blocks (GDN q|k|v).
+* **Aux**: ``aux_data_ptrs`` / ``aux_item_lens``, host memory, one item per request.
+
+How each of SGLang's 13 kinds is carried:
+
+========================  ========  ===============================================
+kind                      indexing  sharding across TP
+========================  ========  ===============================================
+mamba                     slot      per tensor axis (dims, outer rows, sub-blocks)
+swa                       page      by KV head like KV (non-MLA); replicated (MLA)
+dsa (nsa)                 page      replicated (the indexer K is the same on every rank)
+qsa_compressed,           page      unknown: moved between equal TP sizes only, a TP
+minimax_index_k,                    mismatch is refused by name at the handshake
+minimax_dense_kv,
+block_scale(_swa)
+qsa_pending, swa_ring,    row       unknown (equal TP only, as above)
+c128_state, request_row
+dsa_tail                  --        refused by name (its indices are ring segments)
+========================  ========  ===============================================
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import pdwire.runtime.engine as pd
+
+# SGLang's decode queue leaves KVArgs.kv_head_num / total_kv_head_num unset (its backends slice
+# heads on the prefill side from the decode's bytes); pdwire describes both sides, so the plugin's
+# hook on DecodePreallocQueue._init_kv_manager passes (heads per rank, model heads) in here.
+DECODE_KV_HEADS: ContextVar[tuple[int, int] | None] = ContextVar("pdwire_decode_kv_heads", default=None)
+
+
+def fill_decode_heads(args: Any) -> None:
+    """Set a decode rank's head counts on ``args`` from :data:`DECODE_KV_HEADS` where SGLang left
+    them unset."""
+    heads = DECODE_KV_HEADS.get()
+    if heads is None:
+        return
+    if not int(getattr(args, "kv_head_num", 0) or 0):
+        args.kv_head_num = heads[0]
+    if not int(getattr(args, "total_kv_head_num", 0) or 0):
+        args.total_kv_head_num = heads[1]
+
+
+class KVArgsError(ValueError):
+    """KVArgs that cannot describe a rank's memory; names the field and component."""
+
+
+# SGLang's StateType values -> how pdwire addresses them
+_PAGE_UNKNOWN = {"qsa_compressed", "minimax_index_k", "minimax_dense_kv", "block_scale", "block_scale_swa"}
+_ROW_UNKNOWN = {"qsa_pending", "swa_ring", "c128_state", "request_row"}
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Where the rank sits (from SGLang's parallel state, not from KVArgs)."""
+
+    attn_tp_size: int
+    attn_tp_rank: int
+    pp_size: int = 1
+    pp_rank: int = 0
+    is_mla: bool = False
+    memory_kind: pd.MemoryKind = pd.MemoryKind.VRAM
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    if values is None:
+        return []
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError) as exc:
+        raise KVArgsError(f"KVArgs.{what} must be a list of integers: {exc}") from None
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
+    ptrs = _ints(_get(args, "kv_data_ptrs"), "kv_data_ptrs")
+    if not ptrs:
+        return None
+    lens = _ints(_get(args, "kv_data_lens"), "kv_data_lens")
+    items = _ints(_get(args, "kv_item_lens"), "kv_item_lens")
+    if not (len(ptrs) == len(lens) == len(items)):
+        raise KVArgsError(
+            f"KVArgs: {len(ptrs)} kv_data_ptrs, {len(lens)} kv_data_lens, {len(items)} kv_item_lens"
+        )
+    if len(set(items)) != 1:
+        raise KVArgsError(
+            f"KVArgs.kv_item_lens differ between layers ({sorted(set(items))}); pdwire needs one page size"
+        )
+    page_size = int(_get(args, "page_size", 0) or 0)
+    if page_size < 1:
+        raise KVArgsError(f"KVArgs.page_size must be >= 1, got {page_size}")
+    page_bytes = items[0]
+    if page_bytes % page_size:
+        raise KVArgsError(f"KVArgs.kv_item_lens[0]={page_bytes} is not a multiple of page_size {page_size}")
+    if geo.is_mla:
+        return pd.KvPool(
+            k_base_addrs=tuple(ptrs), v_base_addrs=(), region_lens=tuple(lens), bytes_per_page=page_bytes,
+            page_size=page_size, layout=pd.Layout.NHD, kv_heads_per_rank=1, total_kv_heads=1,
+            bytes_per_head=page_bytes // page_size, is_mla=True, memory_kind=geo.memory_kind,
+        )  # fmt: skip
+    draft = int(_get(args, "num_draft_entries", 0) or 0)
+    target = len(ptrs) - draft
+    if target % 2 or draft % 2 or target < 0:
+        raise KVArgsError(
+            f"KVArgs: {len(ptrs)} KV buffers with {draft} draft entries do not split into K and V halves"
+        )
+
+    def halves(seq: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        t, d = seq[:target], seq[target:]
+        return tuple(t[: target // 2] + d[: draft // 2]), tuple(t[target // 2 :] + d[draft // 2 :])
+
+    k, v = halves(ptrs)
+    k_lens, v_lens = halves(lens)
+    if k_lens != v_lens:
+        raise KVArgsError("KVArgs.kv_data_lens: a layer's K and V buffers differ in length")
+    heads = int(_get(args, "kv_head_num", 0) or 0)
+    total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.attn_tp_size
+    if heads < 1:
+        raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA model, got {heads}")
+    if (page_bytes // page_size) % heads:
+        raise KVArgsError(
+            f"KVArgs: {page_bytes // page_size} bytes per token do not split into {heads} heads"
+        )
+    return pd.KvPool(
+        k_base_addrs=k, v_base_addrs=v, region_lens=k_lens, bytes_per_page=page_bytes, page_size=page_size,
+        layout=pd.Layout.NHD, kv_heads_per_rank=heads, total_kv_heads=total,
+        bytes_per_head=page_bytes // page_size // heads, memory_kind=geo.memory_kind,
+    )  # fmt: skip
+
+
+def _entry_list(args: Any, name: str, ci: int, n: int, default: Any) -> list[Any]:
+    lists = _get(args, name) or []
+    if ci >= len(lists) or not lists[ci]:
+        return [default] * n
+    entries = list(lists[ci])
+    if len(entries) < n:
+        raise KVArgsError(f"KVArgs.{name}[{ci}] has {len(entries)} entries for {n} state buffers")
+    return entries[:n]  # SGLang's lists may run longer (speculative buffers are not registered)
+
+
+def _split_tensors(
+    n: int, layer_ids: list[int], kind: str, ci: int, signature: list[tuple[Any, ...]]
+) -> tuple[int, tuple[int, ...] | None]:
+    """(entries per tensor, the tensor's layer ids) from the tensor-major x layer entry list.
+
+    Without layer ids (SGLang's request-pool Mamba state sends none) a tensor is a run of
+    entries with the same item size, sharded axis and sub-blocks; every run must be as long."""
+    if not layer_ids:
+        runs = [1]
+        for a, b in itertools.pairwise(signature):
+            if a == b:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        if len(set(runs)) != 1:
+            raise KVArgsError(
+                f"KVArgs state component {ci} ({kind}): without state_layer_ids the buffers do not split "
+                f"into tensors of equal layer counts (runs {runs})"
+            )
+        return runs[0], None
+    if len(layer_ids) != n:
+        raise KVArgsError(f"KVArgs.state_layer_ids[{ci}] ({kind}) has {len(layer_ids)} ids for {n} buffers")
+    per = len(dict.fromkeys(layer_ids))
+    if n % per:
+        raise KVArgsError(f"KVArgs.state_layer_ids[{ci}] ({kind}) do not repeat per tensor")
+    first = tuple(layer_ids[:per])
+    for t in range(n // per):
+        if tuple(layer_ids[t * per : (t + 1) * per]) != first:
+            raise KVArgsError(f"KVArgs.state_layer_ids[{ci}] ({kind}): tensor {t} names other layers")
+    return per, first
+
+
+def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.StatePool:
+    try:
+        kind = pd.StateKind(kind_value)
+    except ValueError:
+        raise KVArgsError(
+            f"KVArgs.state_types[{ci}]: state kind {kind_value!r} is not known to pdwire"
+        ) from None
+    ptrs = _ints((_get(args, "state_data_ptrs") or [])[ci], f"state_data_ptrs[{ci}]")
+    lens = _ints((_get(args, "state_data_lens") or [])[ci], f"state_data_lens[{ci}]")
+    items = _ints((_get(args, "state_item_lens") or [])[ci], f"state_item_lens[{ci}]")
+    n = len(ptrs)
+    if not (n == len(lens) == len(items)) or n == 0:
+        raise KVArgsError(
+            f"KVArgs state component {ci} ({kind.value}): {n} pointers, {len(lens)} lengths, "
+            f"{len(items)} item lengths"
+        )
+    layer_ids = (
+        _ints(_get(args, "state_layer_ids")[ci], f"state_layer_ids[{ci}]")
+        if _has(args, "state_layer_ids", ci)
+        else []
+    )
+
+    def tensor(name: str, lo: int, hi: int, **extra: Any) -> pd.StateTensor:
+        sizes = set(items[lo:hi])
+        if len(sizes) != 1:
+            raise KVArgsError(
+                f"KVArgs.state_item_lens[{ci}] ({kind.value}): tensor {name} has item sizes {sorted(sizes)}"
+            )
+        return pd.StateTensor(name, tuple(ptrs[lo:hi]), tuple(lens[lo:hi]), items[lo], **extra)
+
+    base: dict[str, Any] = {"kind": kind, "memory_kind": geo.memory_kind}
+    if kind is pd.StateKind.MAMBA:
+        dims = (
+            _ints(_entry_list(args, "state_dim_per_tensor", ci, n, 0), f"state_dim_per_tensor[{ci}]")
+            if _has(args, "state_dim_per_tensor", ci)
+            else []
+        )
+        outer = _ints(
+            _entry_list(args, "state_slice_outer_counts", ci, n, 1), f"state_slice_outer_counts[{ci}]"
+        )
+        groups = _entry_list(args, "state_conv_shard_groups", ci, n, None)
+        signature = [
+            (items[i], dims[i] if dims else None, outer[i], tuple(groups[i]) if groups[i] else None)
+            for i in range(n)
+        ]
+        per, ids = _split_tensors(n, layer_ids, kind.value, ci, signature)
+        tensors = []
+        for t in range(n // per):
+            lo, hi = t * per, (t + 1) * per
+            dim = dims[lo] if dims else None
+            sub = groups[lo]
+            tensors.append(
+                tensor(
+                    f"state{t}", lo, hi,
+                    sharded_axis_size=dim if dim else None,
+                    replicated=dim == 0,
+                    outer_rows=outer[lo] if dim else 1,
+                    sub_block_sizes=tuple(int(s) for s in sub) if sub else None,
+                )
+            )  # fmt: skip
+        return pd.StatePool(indexing=pd.Indexing.SLOT, tensors=tuple(tensors), layer_ids=ids, **base)
+    if kind is pd.StateKind.SWA and not geo.is_mla:
+        if n % 2:
+            raise KVArgsError(f"KVArgs state component {ci} (swa): {n} buffers do not split into K and V")
+        half = n // 2
+        ids = tuple(layer_ids[:half]) if layer_ids else None
+        heads = int(_get(args, "kv_head_num", 0) or 0)
+        total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.attn_tp_size
+        page_size = int(_get(args, "page_size", 1) or 1)
+        layout_name = str(_get(args, "swa_kv_cache_layout", None) or "nhd").upper()
+        if layout_name not in ("NHD", "HND"):
+            raise KVArgsError(f"KVArgs.swa_kv_cache_layout {layout_name.lower()!r}: pdwire knows nhd and hnd")
+        if heads < 1:
+            raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA SWA component, got {heads}")
+        if items[0] % (page_size * heads):
+            raise KVArgsError(
+                f"KVArgs: SWA page of {items[0]} bytes does not split into {page_size} x {heads} heads"
+            )
+        geom = pd.HeadGeometry(
+            page_size, pd.Layout(layout_name), heads, total, items[0] // page_size // heads
+        )
+        return pd.StatePool(
+            indexing=pd.Indexing.PAGE, tensors=(tensor("k", 0, half), tensor("v", half, n)), heads=geom,
+            layer_ids=ids, **base,
+        )  # fmt: skip
+    if kind in (pd.StateKind.SWA, pd.StateKind.DSA, pd.StateKind.NSA):
+        return pd.StatePool(
+            indexing=pd.Indexing.PAGE, tensors=(tensor("buf", 0, n),), replicated=True,
+            layer_ids=tuple(layer_ids) if layer_ids and len(set(layer_ids)) == n else None, **base,
+        )  # fmt: skip
+    indexing = pd.Indexing.PAGE if kind.value in _PAGE_UNKNOWN else pd.Indexing.ROW
+    return pd.StatePool(
+        indexing=indexing, tensors=(tensor("buf", 0, n),),
+        layer_ids=tuple(layer_ids) if layer_ids and len(set(layer_ids)) == n else None, **base,
+    )  # fmt: skip
+
+
+def _has(args: Any, name: str, ci: int) -> bool:
+    lists = _get(args, name) or []
+    return ci < len(lists) and bool(lists[ci])
+
+
+def _aux(args: Any) -> tuple[pd.AuxBuffer, ...]:
+    ptrs = _ints(_get(args, "aux_data_ptrs"), "aux_data_ptrs")
+    lens = _ints(_get(args, "aux_data_lens"), "aux_data_lens")
+    items = _ints(_get(args, "aux_item_lens"), "aux_item_lens")
+    if not (len(ptrs) == len(lens) == len(items)):
+        raise KVArgsError(
+            f"KVArgs: {len(ptrs)} aux_data_ptrs, {len(lens)} aux_data_lens, {len(items)} aux_item_lens"
+        )
+    return tuple(
+        pd.AuxBuffer(f"aux{i}", p, ln, it)
+        for i, (p, ln, it) in enumerate(zip(ptrs, lens, items, strict=True))
+    )
+
+
+def state_kinds(args: Any) -> list[str]:
+    """The state kinds of ``args`` in component order (SGLang's ``StateType`` values)."""
+    return [str(getattr(t, "value", t)) for t in (_get(args, "state_types") or [])]
+
+
+def rank_memory(args: Any, geo: Geometry) -> pd.RankMemory:
+    """``RankMemory`` of one SGLang rank; :class:`KVArgsError` names what does not fit."""
+    first_layer = int(_get(args, "prefill_start_layer", 0) or 0)
+    position = pd.RankPosition(geo.attn_tp_size, geo.attn_tp_rank, geo.pp_size, geo.pp_rank, first_layer)
+    kinds: Sequence[str] = state_kinds(args)
+    kv = _kv_pool(args, geo)
+    state = tuple(_state_component(args, ci, k, geo) for ci, k in enumerate(kinds))
+    return pd.RankMemory(position, kv=kv, state=state, aux=_aux(args))

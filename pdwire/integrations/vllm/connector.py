@@ -1,0 +1,760 @@
+"""``PdwireConnector``: vLLM's KV connector API over pdwire's engine-facing runtime.
+
+Push mode, like ``NixlPushConnector``: the prefill engine writes a finished prompt's KV pages
+and Mamba state straight into the blocks the decode engine allocated for it.
+
+Flow (the proxy in front sends each prompt to prefill, then to decode; see docs/vllm.md):
+
+1. Prefill scheduler: ``request_finished_all_groups`` of a ``do_remote_decode`` request keeps its
+   blocks, names its *room* (:func:`pdwire.runtime.engine.room_for_request` of the prefill
+   engine id and request id) and returns :class:`~.params.PrefillHandle` parameters: the room,
+   every prefill rank's control endpoint, the token count. Each prefill worker hands its
+   ``PrefillWorker`` the request's pages and state slots (``send_chunk``); pdwire holds them
+   until decode asks.
+2. Decode scheduler: a request with those parameters loads ``num_tokens`` tokens asynchronously
+   (``get_num_new_matched_tokens``); once its blocks are allocated, each decode worker connects
+   to the prefill ranks pdwire's routing names (Hello: version agreement, model fingerprint, TP
+   sizes; once per prefill engine) and starts the room with its block ids
+   (``DecodeWorker.start_room``). The prefill ranks plan (pdwire's planner: aliased groups,
+   state at offsets inside a page, head slices for another TP size) and write (docs/vllm.md).
+3. Decode reports the request received when its room succeeded; a failed room is reported (as a
+   failed receive (in ``finished_recving`` and ``failed_recving`` of one pass, never as block
+   ids: vLLM cannot map block ids of several KV cache groups back), which vLLM's ``kv_load_failure_policy``
+   handles) only once pdwire says its slots are fenced: no write of the room is in flight.
+   Prefill frees the blocks when its room ended (success, failure, or the room timeout when no
+   decode ever asks).
+
+Hybrid models (Mamba + attention) need ``SupportsHMA``: both groups' blocks travel, the Mamba
+one as a slot. As with vLLM's own connectors, prefill then computes all but the last prompt
+token and decode computes that token from the transferred state.
+
+Every call vLLM makes runs on vLLM's threads; pdwire's worker runs on its own thread
+(``WorkerThread``) and its callbacks hand results back under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+import pdwire.runtime.engine as pd
+from pdwire.integrations.vllm import params as tp
+from pdwire.integrations.vllm.memory import AttentionGroup, Described, MambaGroup, describe_vllm, vllm_groups
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# kv_connector_extra_config keys (documented in docs/vllm.md)
+DEFAULTS: dict[str, Any] = {
+    "pdwire_backend": None,  # registry name; None: NIXL when it imports
+    "pdwire_backend_options": {},
+    "pdwire_host": "127.0.0.1",  # where a prefill rank's control socket binds
+    "pdwire_advertise_host": None,  # what decode connects to, when the bind address is not it
+    "pdwire_room_timeout_s": 120.0,  # also the lease: prefill frees blocks no decode asked for
+    "pdwire_transfer_timeout_s": 60.0,
+    "pdwire_handshake_timeout_s": 120.0,
+    "pdwire_model_name": None,  # default: the model folder's name
+    "pdwire_model_revision": None,  # default: vLLM's revision, else a hash of the model config
+    "pdwire_versions": [],  # protocol versions offered; empty: all this build speaks
+    "pdwire_control_keys": None,  # the control plane's key directory; None: PDWIRE_CONTROL_KEYS
+}
+
+
+def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    kv = vllm_config.kv_transfer_config
+    assert kv is not None
+    given = dict(kv.kv_connector_extra_config or {})
+    unknown = sorted(k for k in given if k.startswith("pdwire_") and k not in DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"PdwireConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(DEFAULTS)}"
+        )
+    return {k: given.get(k, v) for k, v in DEFAULTS.items()}
+
+
+def model_fingerprint(
+    vllm_config: VllmConfig, described: Described | None, extra: Mapping[str, Any]
+) -> pd.ModelFingerprint:
+    """The served model's identity, compared at pdwire's Hello. It names the model, its revision
+    (or a hash of its config, without the transformers version, so an engine upgrade does not
+    change it), the KV dtype and the layer counts."""
+    mc = vllm_config.model_config
+    name = extra["pdwire_model_name"] or os.path.basename(str(mc.model).rstrip("/")) or str(mc.model)
+    revision = extra["pdwire_model_revision"] or mc.revision
+    if not revision:
+        cfg = mc.hf_config.to_dict()
+        for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
+            cfg.pop(volatile, None)
+        blob = json.dumps(cfg, sort_keys=True, default=str).encode()
+        revision = "config-sha256:" + hashlib.sha256(blob).hexdigest()[:16]
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    kv_layers = state_layers = 0
+    if described is not None:
+        kv = described.memory.kv
+        kv_layers = 0 if kv is None else kv.num_layers
+        state_layers = sum(c.num_layers for c in described.memory.state)
+    return pd.ModelFingerprint(
+        model_name=name,
+        revision=str(revision),
+        dtype=dtype,
+        num_layers=kv_layers + state_layers,
+        num_attention_layers=kv_layers,
+        num_state_layers=state_layers,
+    )
+
+
+# ---------------------------------------------------------------------- scheduler -> worker
+
+
+@dataclass
+class SendReq:
+    """Prefill: a finished request whose pages and state slots wait for decode."""
+
+    request_id: str
+    room: int
+    kv_pages: list[int]
+    state: list[list[int]]
+
+
+@dataclass
+class RecvReq:
+    """Decode: a request whose blocks are allocated and whose room should start."""
+
+    request_id: str
+    room: int
+    prefill_engine_id: str
+    endpoints: tuple[str, ...]
+    pp_size: int
+    kv_pages: list[int]
+    state: list[list[int]]
+    decode_prefix_len: int
+
+
+@dataclass
+class PdwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    sends: list[SendReq] = field(default_factory=list)
+    recvs: list[RecvReq] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # decode: requests gone while their room is live
+
+
+@dataclass
+class PdwireHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a prefill worker tells its scheduler: where decode ranks reach it."""
+
+    endpoint: str
+
+
+# ---------------------------------------------------------------------- the two sides
+
+
+class _Groups:
+    """Which transfer group is the KV page list and which are state components (both sides
+    derive it from the same config, so the scheduler's block lists match the worker's memory)."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+        groups = vllm_groups(vllm_config, kv_cache_config)
+        self.kv: int | None = None
+        self.state: list[int] = []
+        self.block_size = vllm_config.cache_config.block_size
+        for i, g in enumerate(groups):
+            if isinstance(g, AttentionGroup) and self.kv is None:
+                self.kv, self.block_size = i, g.block_size
+            elif isinstance(g, MambaGroup):
+                self.state.append(i)
+        self.spec_blocks = [
+            getattr(kv_cache_config.transfer_groups[i].kv_cache_spec, "num_speculative_blocks", 0)
+            for i in self.state
+        ]
+        self.unsupported = [i for i, g in enumerate(groups) if g is None]
+
+    def split(self, block_ids: tuple[list[int], ...], num_tokens: int) -> tuple[list[int], list[list[int]]]:
+        """(KV pages holding ``num_tokens`` tokens, one state slot per state component)."""
+        ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
+        assert self.kv is not None
+        pages = list(ids[self.kv][: math.ceil(num_tokens / self.block_size)])
+        state = [
+            clip_ssm_state_blocks(list(ids[g]), n)[-1:]
+            for g, n in zip(self.state, self.spec_blocks, strict=True)
+        ]
+        return pages, state
+
+
+class _Scheduler:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine_id: str) -> None:
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        self.vllm_config = vllm_config
+        self.engine_id = engine_id
+        self.is_producer = bool(kv.is_kv_producer)
+        self.groups = _Groups(vllm_config, kv_cache_config)
+        self.has_state = bool(self.groups.state)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.endpoints: tuple[str, ...] = ()
+        self._sends: list[SendReq] = []
+        self._recvs: list[RecvReq] = []
+        self._aborts: list[str] = []
+        # blocks pdwire still holds: prefill's sent requests, decode's aborted rooms
+        self._outstanding: set[str] = set()
+        self._receiving: set[str] = set()  # decode: rooms started, not yet reported
+
+    # -------- both
+
+    def set_handshake_metadata(
+        self, metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        if not self.is_producer:
+            return
+        try:
+            self.endpoints = tuple(
+                metadata[(pp, t)].endpoint  # type: ignore[attr-defined]
+                for pp in range(self.pp_size)
+                for t in range(self.tp_size)
+            )
+        except KeyError as exc:
+            raise ValueError(f"PdwireConnector: no handshake metadata from worker (pp, tp) = {exc}") from None
+
+    def build_meta(self) -> PdwireConnectorMetadata:
+        meta = PdwireConnectorMetadata(self._sends, self._recvs, self._aborts)
+        self._sends, self._recvs, self._aborts = [], [], []
+        return meta
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._outstanding or self._sends or self._recvs)
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_sending or ():
+            self._outstanding.discard(rid)
+        for rid in out.finished_recving or ():
+            self._receiving.discard(rid)
+            self._outstanding.discard(rid)
+
+    # -------- prefill
+
+    def _backoff(self) -> int:
+        # Mamba: decode derives h(N) from h(N-1) itself, so prefill stops one token short
+        return 1 if self.has_state else 0
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not (self.is_producer and params and params.get("do_remote_decode")):
+            return
+        n = self._backoff()
+        if not n or params.get("_pdwire_truncated") or request.num_prompt_tokens <= n:
+            return
+        if request.get_skip_reading_prefix_cache() or request.prompt_token_ids is None:
+            return  # decode recomputes the whole prompt of such a request anyway
+        # The same truncation vLLM's NIXL connector makes: prefill computes N - 1 tokens.
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params["_pdwire_truncated"] = True
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not self.is_producer and request.request_id in self._receiving:
+            # gone (aborted, or failed by vLLM) while its room may be live: prefill may still write
+            # into its blocks, so they stay until the worker reports the request received (at
+            # once if it did already, else once the room is aborted and fenced); vLLM frees a
+            # finished request's blocks when it is reported received
+            self._receiving.discard(request.request_id)
+            self._aborts.append(request.request_id)
+            self._outstanding.add(request.request_id)
+            return True, None
+        if not (self.is_producer and params and params.get("do_remote_decode")):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nothing was handed to pdwire
+        if not self.endpoints:
+            logger.error(
+                "PdwireConnector: request %s finished before the workers reported their endpoints",
+                request.request_id,
+            )
+            return False, None
+        tokens = request.num_computed_tokens
+        pages, state = self.groups.split(block_ids, tokens)
+        if len(pages) != math.ceil(tokens / self.groups.block_size) or any(len(s) != 1 for s in state):
+            logger.error(
+                "PdwireConnector: request %s holds %d pages and state %s for %d tokens",
+                request.request_id,
+                len(pages),
+                state,
+                tokens,
+            )
+            return False, None
+        room = pd.room_for_request(f"{self.engine_id}:{request.request_id}")
+        self._sends.append(SendReq(request.request_id, room, pages, state))
+        self._outstanding.add(request.request_id)
+        handle = tp.PrefillHandle(
+            room, self.engine_id, self.endpoints, self.pp_size, tokens, self.groups.block_size
+        )
+        return True, handle.to_params()
+
+    # -------- decode
+
+    def _handle(self, request: Request) -> tp.PrefillHandle | None:
+        params = request.kv_transfer_params
+        if self.is_producer or not tp.is_pdwire_prefill(params):
+            return None
+        assert params is not None
+        try:
+            handle = tp.parse(params)
+        except tp.TransferParamsError as exc:
+            logger.warning("PdwireConnector: request %s is computed locally: %s", request.request_id, exc)
+            params[tp.STARTED] = True
+            return None
+        want = len(request.prompt_token_ids or ()) - self._backoff()
+        if handle.num_tokens != want or handle.block_size != self.groups.block_size:
+            logger.warning(
+                "PdwireConnector: request %s is computed locally: prefill holds %d tokens in pages of %d, "
+                "this engine loads %d tokens in pages of %d",
+                request.request_id,
+                handle.num_tokens,
+                handle.block_size,
+                want,
+                self.groups.block_size,
+            )
+            params[tp.STARTED] = True
+            return None
+        return handle
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        handle = self._handle(request)
+        if handle is None:
+            return 0, False
+        count = handle.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        handle = self._handle(request)
+        if handle is None:
+            return
+        params = request.kv_transfer_params
+        assert params is not None
+        local = handle.num_tokens - num_external_tokens  # tokens decode already holds (prefix cache)
+        prefix_pages = local // self.groups.block_size
+        pages, state = self.groups.split(blocks.get_block_ids(), handle.num_tokens)
+        self._recvs.append(
+            RecvReq(
+                request.request_id,
+                handle.room,
+                handle.engine_id,
+                handle.endpoints,
+                handle.pp_size,
+                pages[prefix_pages:],
+                state,
+                prefix_pages * self.groups.block_size,
+            )
+        )
+        self._receiving.add(request.request_id)
+        params[tp.STARTED] = True
+
+
+class _Worker:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine_id: str) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = engine_id
+        self.is_producer = bool(kv.is_kv_producer)
+        self.extra = extra_config(vllm_config)
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.described: Described | None = None
+        self.worker: pd.PrefillWorker | pd.DecodeWorker | None = None
+        self.thread: pd.WorkerThread[Any] | None = None
+        self.endpoint: str | None = None
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        # worker thread only
+        self._room_req: dict[int, str] = {}
+        self._room_recv: dict[int, RecvReq] = {}
+        self._failed_rooms: dict[int, pd.Failure | None] = {}
+        self._aborted: set[int] = set()
+        self._reported: dict[str, None] = {}  # requests reported received, oldest first
+        self._prefills: dict[tuple[str, tuple[str, ...]], pd.PrefillGroup] = {}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.described = describe_vllm(self.vllm_config, self.kv_cache_config, kv_caches, self.tp_rank)
+        rank = pd.ParallelRank(tp_size=self.tp_size, tp_rank=self.tp_rank)
+        common: dict[str, Any] = dict(
+            engine_id=self.engine_id,
+            rank=rank,
+            model=model_fingerprint(self.vllm_config, self.described, self.extra),
+            backend=self.extra["pdwire_backend"],
+            backend_options=dict(self.extra["pdwire_backend_options"]),
+            room_timeout_s=float(self.extra["pdwire_room_timeout_s"]),
+            transfer_timeout_s=float(self.extra["pdwire_transfer_timeout_s"]),
+            versions=tuple(tuple(v) for v in self.extra["pdwire_versions"]),
+        )
+        if self.extra["pdwire_control_keys"]:
+            common["control_auth"] = pd.ControlAuth.from_directory(self.extra["pdwire_control_keys"])
+        memory = self.described.memory
+        worker: pd.PrefillWorker | pd.DecodeWorker
+        if self.is_producer:
+            host = self.extra["pdwire_host"]
+            adv = self.extra["pdwire_advertise_host"]
+            cfg = pd.PrefillConfig(
+                **common, bind=f"tcp://{host}:0", advertise=None if adv is None else f"tcp://{adv}"
+            )
+            worker = pd.PrefillWorker(cfg, memory, on_released=self._on_released)
+            self.endpoint = worker.endpoint
+        else:
+            dcfg = pd.DecodeConfig(
+                **common, handshake_timeout_s=float(self.extra["pdwire_handshake_timeout_s"])
+            )
+            worker = pd.DecodeWorker(
+                dcfg, memory, on_finished=self._on_finished, on_slots_released=self._on_slots_released
+            )
+        self.worker = worker
+        self.thread = pd.WorkerThread(
+            worker, name=f"pdwire-{'prefill' if self.is_producer else 'decode'}{self.tp_rank}"
+        ).start()
+        logger.info(
+            "PdwireConnector %s rank %d/%d: %s, backend %s%s",
+            "prefill" if self.is_producer else "decode",
+            self.tp_rank,
+            self.tp_size,
+            memory_summary(self.described),
+            worker.backend.name,
+            f", listening on {self.endpoint}" if self.endpoint else "",
+        )
+
+    # -------- engine thread
+
+    def start(self, meta: PdwireConnectorMetadata) -> None:
+        if self.thread is None:
+            return
+        for s in meta.sends:
+            self.thread.submit(self._send, s)
+        for r in meta.recvs:
+            self.thread.submit(self._start_room, r)
+        for rid in meta.aborts:
+            self.thread.submit(self._abort, rid)
+
+    def results(self) -> KVConnectorTransferResults:
+        with self._lock:
+            out = KVConnectorTransferResults(self._sent, self._received, self._failed)
+            self._sent, self._received, self._failed = set(), set(), set()
+        return out
+
+    def report(self) -> dict[str, Any]:
+        if self.thread is None or self.worker is None:
+            return {}
+        worker = self.worker
+
+        def snapshot() -> dict[str, Any]:
+            out = dict(vars(worker.stats))
+            out["failures"] = list(worker.stats.failures)
+            if isinstance(worker, pd.PrefillWorker):
+                out["spans"] = {str(k): list(v) for k, v in worker.spans.items()}
+            out["backend"] = worker.backend.name
+            return out
+
+        return self.thread.submit(snapshot).result(10)
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            thread, self.thread = self.thread, None
+            thread.close()
+
+    # -------- worker thread
+
+    def _send(self, s: SendReq) -> None:
+        assert isinstance(self.worker, pd.PrefillWorker)
+        self._room_req[s.room] = s.request_id
+        try:
+            self.worker.send_chunk(s.room, s.kv_pages, last=True, state=s.state)
+        except Exception as exc:  # bad indices: nothing recorded, give the blocks back
+            logger.error(
+                "PdwireConnector: request %s (room %d) cannot be sent: %s", s.request_id, s.room, exc
+            )
+            self._room_req.pop(s.room, None)
+            with self._lock:
+                self._sent.add(s.request_id)
+
+    def _on_released(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
+        rid = self._room_req.pop(room, None)
+        if rid is None:
+            return
+        if failure is not None:
+            logger.warning("PdwireConnector: prefill of request %s (room %d) failed: %s", rid, room, failure)
+        with self._lock:
+            self._sent.add(rid)
+
+    def _start_room(self, r: RecvReq) -> None:
+        assert isinstance(self.worker, pd.DecodeWorker)
+        try:
+            prefill_tp = len(r.endpoints) // r.pp_size
+            if self.described is not None and not self.described.tp_sliceable and prefill_tp != self.tp_size:
+                raise pd.ConfigError(
+                    f"prefill TP {prefill_tp} -> decode TP {self.tp_size}: vLLM's attention blocks hold each "
+                    "head's K and then its V, which this pdwire build's wire (no KV head stride, before "
+                    "protocol 1.6) cannot slice by head; use equal TP sizes"
+                )
+            key = (r.prefill_engine_id, r.endpoints)
+            group = self._prefills.get(key)
+            if group is None or group.failed:  # a failed handshake is tried again by the next request
+                # returns at once; the room waits inside its deadline for the handshake (step())
+                group = self.worker.connect(list(r.endpoints), prefill_pp=r.pp_size)
+                self._prefills[key] = group
+            indices = pd.RequestIndices(r.kv_pages, state=r.state, decode_prefix_len=r.decode_prefix_len)
+            self.worker.start_room(r.room, indices, group)
+        except Exception as exc:  # refused before anything was written: fail it now
+            logger.error(
+                "PdwireConnector: request %s (room %d) from prefill %s refused: %s: %s",
+                r.request_id,
+                r.room,
+                r.prefill_engine_id,
+                type(exc).__name__,
+                exc,
+            )
+            self._report(r.request_id, failed=True)
+            return
+        self._room_recv[r.room] = r
+
+    def _abort(self, rid: str) -> None:
+        """The request is gone: stop its room; it is reported received (which frees its blocks)
+        once fenced, or not again if it was reported already."""
+        assert isinstance(self.worker, pd.DecodeWorker)
+        if rid in self._reported:
+            return
+        room = next((room for room, r in self._room_recv.items() if r.request_id == rid), None)
+        if room is None:  # never started: nothing can write
+            self._report(rid, failed=True)
+            return
+        self._aborted.add(room)
+        self.worker.abort(room, f"request {rid} aborted by the decode engine")
+
+    def _report(self, rid: str, *, failed: bool) -> None:
+        """Report a started request received (failed or not), exactly once."""
+        self._reported[rid] = None
+        while len(self._reported) > 100_000:  # an abort arrives within a few steps, if at all
+            self._reported.pop(next(iter(self._reported)))
+        with self._lock:
+            self._received.add(rid)
+            if failed:
+                self._failed.add(rid)
+
+    def _on_finished(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
+        r = self._room_recv.get(room)
+        if r is None:
+            return
+        if room in self._aborted:
+            self._failed_rooms[room] = failure  # reported as sent once the slots are fenced
+            return
+        if status == pd.Status.SUCCESS:
+            self._room_recv.pop(room)
+            self._report(r.request_id, failed=False)
+            return
+        logger.warning("PdwireConnector: request %s (room %d) failed: %s", r.request_id, room, failure)
+        self._failed_rooms[room] = failure
+
+    def _on_slots_released(self, room: int) -> None:
+        if room not in self._failed_rooms:
+            return
+        del self._failed_rooms[room]
+        r = self._room_recv.pop(room, None)
+        if r is None:
+            return
+        self._aborted.discard(room)
+        self._report(r.request_id, failed=True)  # only now: no write of this room is in flight
+
+
+def memory_summary(d: Described) -> str:
+    kv = d.memory.kv
+    parts = []
+    if kv is not None:
+        parts.append(
+            f"KV {kv.num_layers} layers x {kv.kv_heads_per_rank} heads, page {kv.page_size} tokens "
+            f"({kv.bytes_per_page} B, stride {kv.stride} B, {kv.layout.value})"
+        )
+    for c in d.memory.state:
+        parts.append(
+            f"{c.kind.value} {c.num_layers} layers ("
+            + ", ".join(f"{t.name} {t.bytes_per_slot} B @+{t.offset}" for t in c.tensors)
+            + ")"
+        )
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------- the connector
+
+
+class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector over pdwire (see the module notes and docs/vllm.md)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None and kv.engine_id is not None
+        if kv.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"PdwireConnector: kv_role must be kv_producer or kv_consumer, got {kv.kv_role!r}"
+            )
+        extra_config(vllm_config)  # refuse unknown keys at start-up, on both sides
+        engine_id = str(kv.engine_id)
+        self._scheduler: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        groups = _Groups(vllm_config, kv_cache_config)
+        if groups.kv is None:
+            raise ValueError("PdwireConnector needs a full-attention KV cache group")
+        if groups.unsupported:
+            raise ValueError(
+                f"PdwireConnector moves full-attention and Mamba KV cache groups; transfer groups "
+                f"{groups.unsupported} of this model are of another kind"
+            )
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _Scheduler(vllm_config, kv_cache_config, engine_id)
+        else:
+            self._worker = _Worker(vllm_config, kv_cache_config, engine_id)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return False
+
+    # -------- scheduler side
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta()
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.set_handshake_metadata(metadata)
+
+    # -------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.endpoint is None:
+            return None
+        return PdwireHandshakeMetadata(self._worker.endpoint)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdwireConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads happen between steps (push): nothing to wait for inside a forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # prefill hands finished requests to pdwire; nothing per layer
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # failures are whole requests (failed_recving); vLLM refuses block ids with several groups
+        return set()
+
+    def report(self) -> dict[str, Any]:
+        """The pdwire worker's counters (messages, posts, bytes, descriptors, failures, spans)."""
+        return {} if self._worker is None else self._worker.report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

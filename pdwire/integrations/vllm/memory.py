@@ -1,0 +1,448 @@
+"""vLLM's KV cache tensors as pdwire's memory description (``RankMemory``).
+
+What vLLM 0.32 lays out (``register_kv_caches``; see docs/vllm.md):
+
+* a **full-attention group**: per layer one view ``[blocks, heads, block_size, 2 * head_size]``;
+  the CPU backend keeps each head's K page and then its V page in that head's row. With a wire
+  that carries a head stride (pdwire 1.6) that is a head-major ``KvPool`` with K and V on the same
+  bases, V at one head's page, ``head_stride`` = two heads' pages: sliceable by head, so prefill
+  and decode may run different TP sizes. Before that each block is one opaque item (MLA-style):
+  copied whole, between equal TP sizes only.
+* a **Mamba group**: per layer one raw byte tensor ``[blocks, ..., page]`` holding the conv state
+  and then the SSM state of one block, padded to the attention page. That is a slot-indexed
+  ``StatePool`` of two tensors on the same bases, the SSM one at an offset, both with
+  ``slot_stride`` = the block stride (with a wire that carries strides; else the whole page).
+* with the hybrid allocator the groups **alias**: the Mamba layer and the attention layer of one
+  block row are the same memory (one registration; pdwire's planner registers overlapping
+  extents once and refuses a request whose destinations overlap).
+
+The Mamba TP sharding is read off the local shapes (Mamba2's conv channels as x | B | C
+sub-blocks, stored ``[kernel - 1, channels]`` or transposed; the SSM state by heads); where the
+shapes cannot say (fewer groups than TP ranks, other Mamba kinds) it is left unknown.
+
+:func:`describe` is pure over :class:`LayerTensor` facts so it is testable without vLLM;
+:func:`describe_vllm` reads them from vLLM's config and tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pdwire.runtime.engine as pd
+
+
+class LayoutError(ValueError):
+    """A vLLM cache layout the connector cannot describe; names the group or layer."""
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """What the connector needs of one registered layer tensor."""
+
+    name: str
+    data_ptr: int
+    strides_bytes: tuple[int, ...]  # per dim, in bytes
+    shape: tuple[int, ...]
+    device: str = "cpu"  # "cpu" or "cuda"
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """A full-attention KV cache group: ``block_size`` tokens of ``num_kv_heads`` x ``head_size``
+    elements of ``dtype_bytes`` per block for K and again for V."""
+
+    layers: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+    head_major: bool  # LBHNC (HND inside a page) vs LBNHC (NHD)
+    total_kv_heads: int | None = None  # the model's KV heads; None: num_kv_heads x TP
+
+
+@dataclass(frozen=True)
+class MambaGroup:
+    """A Mamba KV cache group: per block the state tensors ``shapes`` (bytes ``state_bytes`` each,
+    in this order inside the page). ``conv_split``: the FULL x | B | C channel sizes of Mamba2's
+    conv state when sharded by them; ``conv_dim_first``: the conv state is ``[channels, kernel-1]``."""
+
+    layers: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    state_bytes: tuple[int, ...]
+    conv_split: tuple[int, ...] | None
+    conv_dim_first: bool
+
+
+Group = AttentionGroup | MambaGroup
+
+
+@dataclass(frozen=True)
+class Described:
+    """The memory, and how vLLM's per-group block ids map onto pdwire's request indices."""
+
+    memory: pd.RankMemory
+    kv_group: int | None  # index of the attention group among the transfer groups
+    state_groups: tuple[int, ...]  # per state component, the index of its group
+    block_size: int  # tokens per KV page
+    layers: Mapping[str, int] = field(default_factory=dict)  # layer name -> global layer id
+    strided: bool = True  # items described with strides and offsets (else whole strides)
+    tp_sliceable: bool = False  # can a peer of another TP size take a slice of these items
+
+
+def describe(
+    groups: Sequence[Group | None],
+    tensors: Mapping[str, LayerTensor],
+    num_blocks: int,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    layer_ids: Mapping[str, int],
+    strided: bool = True,
+    head_strided: bool = True,
+) -> Described:
+    """Build the rank's ``RankMemory``. ``groups`` are vLLM's transfer groups in order (None for a
+    group of a kind the connector does not move, which is refused); ``layer_ids`` give each
+    layer's global index in the model.
+
+    ``strided`` (a wire that carries item strides and offsets, pdwire 1.4) describes a Mamba page
+    as its conv and SSM tensors at their offsets with the page as slot stride, and an attention
+    item without its padding; without it each item is the whole stride. ``head_strided`` (a wire
+    that carries a KV head stride, pdwire 1.6, and ``strided``) describes attention blocks by head
+    (see :func:`_kv_pool`); without it they are opaque items, equal TP only."""
+    kv_group: int | None = None
+    kv: pd.KvPool | None = None
+    state: list[pd.StatePool] = []
+    state_groups: list[int] = []
+    block_size = 0
+    for gi, g in enumerate(groups):
+        if g is None:
+            raise LayoutError(f"KV cache group {gi} is of a kind pdwire's vLLM connector does not transfer")
+        if isinstance(g, AttentionGroup):
+            if kv is not None:
+                raise LayoutError(
+                    f"KV cache groups {kv_group} and {gi} are both full attention with their own block "
+                    "tables; pdwire's request indices carry one KV page list"
+                )
+            by_head = strided and head_strided
+            kv = _kv_pool(g, tensors, num_blocks, strided, by_head, tp_size)
+            kv_group, block_size = gi, g.block_size
+        else:
+            state.append(_mamba(g, tensors, num_blocks, tp_size, layer_ids, strided))
+            state_groups.append(gi)
+    if kv is None:
+        raise LayoutError("no full-attention KV cache group: pdwire needs one KV page list per request")
+    memory = pd.RankMemory(
+        pd.RankPosition(tp_size=tp_size, tp_rank=tp_rank, first_layer=0),
+        kv=kv,
+        state=tuple(state),
+    )
+    sliceable = kv is not None and not kv.is_mla
+    return Described(memory, kv_group, tuple(state_groups), block_size, dict(layer_ids), strided, sliceable)
+
+
+def _kind(t: LayerTensor) -> tuple[pd.MemoryKind, int]:
+    return (pd.MemoryKind.DRAM, 0) if t.device == "cpu" else (pd.MemoryKind.VRAM, t.device_id)
+
+
+def _kv_pool(
+    g: AttentionGroup,
+    tensors: Mapping[str, LayerTensor],
+    num_blocks: int,
+    strided: bool,
+    by_head: bool,
+    tp_size: int,
+) -> pd.KvPool:
+    """vLLM 0.32 views every attention layer as ``[blocks, heads, block_size, 2 * head_size]``; the
+    CPU backend (``cpu_attn.py``: a view ``[blocks, heads, 2 * block_size, head_size]`` chunked in
+    two along dim 2) keeps each head's K page (``block_size x head_size``) and then its V page.
+
+    ``by_head``: described as it is, head-major pages (HND) with K and V on the same bases, V one
+    head's page after K, the next head two heads' pages on (``head_stride``); the planner slices it
+    by head for any TP pair (:attr:`Described.tp_sliceable`). Otherwise (a wire without a head
+    stride) one opaque item per block, copied whole: exact between equal TP sizes only."""
+    item = g.num_kv_heads * g.block_size * 2 * g.head_size * g.dtype_bytes  # one block of one layer
+    bases: list[int] = []
+    stride = None
+    kinds = set()
+    for name in g.layers:
+        t = tensors[name]
+        want = (num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+        if t.shape != want:
+            raise LayoutError(
+                f"attention layer {name}: shape {t.shape}, expected [blocks, heads, block, 2 x head] {want}"
+            )
+        es = g.dtype_bytes
+        inner = (g.block_size * 2 * g.head_size * es, 2 * g.head_size * es, es)
+        if t.strides_bytes[1:] != inner or t.strides_bytes[0] < item:
+            raise LayoutError(
+                f"attention layer {name}: strides {t.strides_bytes} do not keep a block's heads, tokens and "
+                f"K|V together (a block-compact layout such as LBHNC is needed)"
+            )
+        s = t.strides_bytes[0]
+        if stride is None:
+            stride = s
+        elif s != stride:
+            raise LayoutError(f"attention layer {name}: block stride {s} differs from the group's {stride}")
+        bases.append(t.data_ptr)
+        kinds.add(_kind(t))
+    if len(kinds) != 1:
+        raise LayoutError(f"attention layers live on different devices: {sorted(kinds)}")
+    (kind, device_id) = kinds.pop()
+    assert stride is not None
+    if by_head:
+        span = g.block_size * g.head_size * g.dtype_bytes  # one head's K (or V) page
+        total = g.total_kv_heads if g.total_kv_heads is not None else g.num_kv_heads * tp_size
+        return pd.KvPool(
+            k_base_addrs=tuple(bases),
+            v_base_addrs=tuple(bases),
+            region_lens=tuple((num_blocks - 1) * stride + item for _ in bases),
+            bytes_per_page=g.num_kv_heads * span,  # what K (and again V) uses in a block
+            page_size=g.block_size,
+            layout=pd.Layout.HND,
+            kv_heads_per_rank=g.num_kv_heads,
+            total_kv_heads=total,
+            bytes_per_head=g.head_size * g.dtype_bytes,
+            memory_kind=kind,
+            device_id=device_id,
+            page_stride=stride,
+            v_offset=span,
+            head_stride=2 * span,
+        )
+    # without strides on the wire an item is the whole stride (padding included)
+    page = item if strided else stride
+    return pd.KvPool(
+        k_base_addrs=tuple(bases),
+        v_base_addrs=(),
+        region_lens=tuple((num_blocks - 1) * stride + page for _ in bases),
+        bytes_per_page=page,
+        page_size=g.block_size,
+        layout=pd.Layout.NHD,
+        kv_heads_per_rank=1,
+        total_kv_heads=1,
+        bytes_per_head=page // g.block_size,
+        is_mla=True,  # one replicated-looking latent per block: copied whole
+        memory_kind=kind,
+        device_id=device_id,
+        page_stride=stride if strided and stride != page else None,
+    )
+
+
+def _mamba(
+    g: MambaGroup,
+    tensors: Mapping[str, LayerTensor],
+    num_blocks: int,
+    tp: int,
+    layer_ids: Mapping[str, int],
+    strided: bool,
+) -> pd.StatePool:
+    used = sum(g.state_bytes)
+    bases: list[int] = []
+    lens: list[int] = []
+    stride = None
+    kinds = set()
+    for name in g.layers:
+        t = tensors[name]
+        if t.shape[0] != num_blocks:
+            raise LayoutError(f"Mamba layer {name}: shape {t.shape} does not start with {num_blocks} blocks")
+        s = t.strides_bytes[0]
+        if s < used:
+            raise LayoutError(f"Mamba layer {name}: a block of {s} B cannot hold its {used} B of state")
+        if stride is None:
+            stride = s
+        elif s != stride:
+            raise LayoutError(f"Mamba layer {name}: block stride {s} differs from the group's {stride}")
+        bases.append(t.data_ptr)
+        lens.append((num_blocks - 1) * s + used)
+        kinds.add(_kind(t))
+    if len(kinds) != 1:
+        raise LayoutError(f"Mamba layers live on different devices: {sorted(kinds)}")
+    (kind, device_id) = kinds.pop()
+    if not strided:
+        assert stride is not None
+        page = pd.StateTensor(
+            "page", tuple(bases), tuple(num_blocks * stride for _ in bases), bytes_per_slot=stride
+        )
+        return pd.StatePool(
+            kind=pd.StateKind.MAMBA,
+            indexing=pd.Indexing.SLOT,
+            tensors=(page,),
+            layer_ids=tuple(layer_ids[name] for name in g.layers),
+            memory_kind=kind,
+            device_id=device_id,
+        )
+    tensors_out: list[pd.StateTensor] = []
+    offset = 0
+    names = ("conv", "ssm") if len(g.shapes) == 2 else tuple(f"state{i}" for i in range(len(g.shapes)))
+    for i, (shape, nbytes) in enumerate(zip(g.shapes, g.state_bytes, strict=True)):
+        axis_size: int | None = None
+        outer_rows = 1
+        sub_blocks: tuple[int, ...] | None = None
+        if g.conv_split is not None and i == 0:
+            # conv: [kernel - 1, channels] (channels sharded, kernel - 1 rows before it) or transposed
+            channels = shape[0] if g.conv_dim_first else shape[-1]
+            if sum(g.conv_split) == channels * tp:
+                axis_size = channels
+                outer_rows = 1 if g.conv_dim_first else math.prod(shape[:-1])
+                sub_blocks = g.conv_split
+        elif g.conv_split is not None and i == 1:
+            axis_size = shape[0]  # SSM state [heads, head_dim, d_state]: sharded by heads
+        tensors_out.append(
+            pd.StateTensor(
+                name=names[i],
+                base_addrs=tuple(bases),
+                region_lens=tuple(lens),
+                bytes_per_slot=nbytes,
+                sharded_axis_size=axis_size,
+                sub_block_sizes=sub_blocks,
+                slot_stride=stride,
+                offset=offset,
+                outer_rows=outer_rows,
+            )
+        )
+        offset += nbytes
+    return pd.StatePool(
+        kind=pd.StateKind.MAMBA,
+        indexing=pd.Indexing.SLOT,
+        tensors=tuple(tensors_out),
+        layer_ids=tuple(layer_ids[name] for name in g.layers),
+        memory_kind=kind,
+        device_id=device_id,
+    )
+
+
+# ---------------------------------------------------------------------- from vLLM objects
+
+
+def layer_tensor(name: str, t: Any) -> LayerTensor:
+    """The facts of one torch tensor."""
+    size = t.element_size()
+    return LayerTensor(
+        name=name,
+        data_ptr=int(t.data_ptr()),
+        strides_bytes=tuple(int(s) * size for s in t.stride()),
+        shape=tuple(int(d) for d in t.shape),
+        device=t.device.type,
+        device_id=0 if t.device.index is None else int(t.device.index),
+    )
+
+
+def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
+    """vLLM's transfer groups as :data:`Group` values (None for kinds not transferred)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    layout = str(kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout or "LBHNC")
+    head_major = layout.index("H") < layout.index("N")
+    out: list[Group | None] = []
+    for g in kv_cache_config.transfer_groups:
+        spec = g.kv_cache_spec
+        layers = tuple(g.layer_names)
+        if isinstance(spec, FullAttentionSpec) and not isinstance(spec, SlidingWindowSpec):
+            if spec.head_size_v != spec.head_size:
+                out.append(None)
+                continue
+            out.append(
+                AttentionGroup(
+                    layers,
+                    spec.block_size,
+                    spec.num_kv_heads,
+                    spec.head_size,
+                    torch.empty((), dtype=spec.dtype).element_size(),
+                    head_major,
+                    int(vllm_config.model_config.get_total_num_kv_heads()),
+                )
+            )
+        elif isinstance(spec, MambaSpec):
+            state_bytes = tuple(
+                math.prod(s) * torch.empty((), dtype=d).element_size()
+                for s, d in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+            out.append(
+                MambaGroup(
+                    layers,
+                    tuple(tuple(int(x) for x in s) for s in spec.shapes),
+                    state_bytes,
+                    _mamba2_conv_split(vllm_config, spec),
+                    _conv_dim_first(),
+                )
+            )
+        else:
+            out.append(None)
+    return out
+
+
+def _conv_dim_first() -> bool:
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return bool(is_conv_state_dim_first())
+
+
+def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
+    """Mamba2's conv channels x | B | C at full size, when they shard evenly over TP."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2 or len(spec.shapes) != 2:
+        return None
+    hf = vllm_config.model_config.hf_text_config
+    groups = next((getattr(hf, a) for a in ("mamba_n_groups", "n_groups") if getattr(hf, a, None)), None)
+    heads = next(
+        (getattr(hf, a) for a in ("mamba_n_heads", "mamba_num_heads", "n_heads") if getattr(hf, a, None)),
+        None,
+    )
+    d_state = next(
+        (getattr(hf, a) for a in ("mamba_d_state", "ssm_state_size", "state_size") if getattr(hf, a, None)),
+        None,
+    )
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    ssm_heads_local, head_dim = spec.shapes[1][0], spec.shapes[1][1]
+    if groups is None or heads is None or d_state is None or groups % tp or heads % tp:
+        return None  # vLLM replicates groups over ranks then: not a clean split
+    if ssm_heads_local * tp != heads:
+        return None
+    x = heads * head_dim
+    bc = groups * d_state
+    return (x, bc, bc)
+
+
+def describe_vllm(
+    vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any], tp_rank: int
+) -> Described:
+    """:func:`describe` over vLLM's objects (``register_kv_caches``' tensors)."""
+    groups = vllm_groups(vllm_config, kv_cache_config)
+    tensors = {name: layer_tensor(name, t) for name, t in kv_caches.items()}
+    order = {name: i for i, name in enumerate(_model_layer_order(kv_caches))}
+    return describe(
+        groups,
+        tensors,
+        int(kv_cache_config.num_blocks),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tp_rank=tp_rank,
+        layer_ids=order,
+        strided=wire_carries_strides(),
+        head_strided=wire_carries_head_stride(),
+    )
+
+
+def wire_carries_head_stride() -> bool:
+    """Whether this pdwire build's registration carries a KV head stride (from 1.6)."""
+    from pdwire import wire
+
+    return "kv_head_stride" in getattr(wire.RegisterInfo, "__struct_fields__", ())
+
+
+def wire_carries_strides() -> bool:
+    """Whether this pdwire build's registration carries item strides and offsets (from 1.4)."""
+    from pdwire import wire
+
+    return "kv_page_stride" in getattr(wire.RegisterInfo, "__struct_fields__", ())
+
+
+def _model_layer_order(kv_caches: Mapping[str, Any]) -> list[str]:
+    """Layer names by the layer index vLLM puts in them (``model.layers.7.mixer``)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))

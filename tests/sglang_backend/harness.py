@@ -1,0 +1,344 @@
+"""SGLang ranks for the backend tests: SGLang's own pools, KVArgs and scheduler call order.
+
+Each rank publishes its own SGLang runtime context (``create_context`` with the rank's
+``ServerArgs`` and launcher ranks) and builds, on the CPU, the memory pools an SGLang hybrid
+model has: ``SWAKVPool`` (full-attention KV + sliding-window KV), a ``HybridReqToTokenPool``
+holding the Mamba state (Mamba2 conv with x|B|C sub-blocks, temporal), and
+``MetadataBuffers`` (aux). The ``KVArgs`` and the manager come from SGLang's own
+``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``, run on
+a stand-in for the scheduler that carries the pools (the only part that is not SGLang's).
+
+Every prefill rank's buffers are shards of one model-wide tensor per layer, generated from
+the request (numpy only, independently of pdwire), so each decode rank's expected bytes are
+its own shard of the same tensors.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import zlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYERS_FULL = [3]  # full attention
+LAYERS_SWA = [1]  # sliding window
+LAYERS_MAMBA = [0, 2]
+NUM_LAYERS = 4
+KV_HEADS = 4
+HEAD_DIM = 8
+PAGE = 4
+WINDOW = 8  # SWA window in tokens
+# Mamba2: conv channels x | B | C = intermediate | n_groups*state | n_groups*state
+INTERMEDIATE, N_GROUPS, STATE, M_HEADS, M_HEAD_DIM, KERNEL = 32, 4, 4, 4, 8, 4
+CONV_GROUPS = [INTERMEDIATE, N_GROUPS * STATE, N_GROUPS * STATE]
+POOL_TOKENS = 512
+MAMBA_SLOTS = 4
+AUX_ITEMS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Rank:
+    role: str
+    tp_size: int
+    tp_rank: int
+    kv_pool: Any
+    req_pool: Any
+    metadata: Any
+    manager: Any
+    context: Any
+    next_page: int = 1  # page 0 is SGLang's padding page
+    next_slot: int = 1
+    next_aux: int = 0
+    rooms: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- memory views
+
+    def k_layer(self, pool: Any, layer_local: int) -> torch.Tensor:
+        return pool.k_buffer[layer_local]  # [tokens, heads, head_dim]
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        pages = np.arange(self.next_page, self.next_page + n, dtype=np.int32)
+        # not contiguous across requests: skip a page so runs break
+        self.next_page += n + 1
+        assert self.next_page * PAGE <= POOL_TOKENS // 2, "test pool too small"
+        return pages
+
+    def alloc_slot(self) -> int:
+        slot = self.next_slot
+        self.next_slot += 1
+        assert slot <= MAMBA_SLOTS
+        return slot
+
+    def alloc_aux(self) -> int:
+        idx = self.next_aux
+        self.next_aux += 1
+        return idx
+
+
+def _server_args(role: str, tp: int, bootstrap_port: int, http_port: int) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path="dummy",  # like SGLang's own test topologies: no model is loaded
+        tp_size=tp,
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="pdwire",
+        disaggregation_bootstrap_port=bootstrap_port,
+        host="127.0.0.1",
+        port=http_port,
+        device="cpu",
+    )
+
+
+def _pools(tp: int) -> tuple[Any, Any, Any]:
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    shape = Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=INTERMEDIATE, n_groups=N_GROUPS, num_heads=M_HEADS,
+        head_dim=M_HEAD_DIM, state_size=STATE, conv_kernel=KERNEL, conv_shard_groups=CONV_GROUPS,
+    )  # fmt: skip
+    params = Mamba2CacheParams(
+        shape=shape, layers=LAYERS_MAMBA, dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    )
+    req_pool = HybridReqToTokenPool(
+        size=MAMBA_SLOTS, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=0, max_context_len=POOL_TOKENS,
+        device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=LAYERS_MAMBA,
+        enable_mamba_extra_buffer=False, enable_overlap_schedule=False,
+    )  # fmt: skip
+    kv_pool = SWAKVPool(
+        size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE, dtype=torch.bfloat16,
+        head_num=KV_HEADS // tp, head_dim=HEAD_DIM, swa_attention_layer_ids=LAYERS_SWA,
+        full_attention_layer_ids=LAYERS_FULL, device="cpu",
+    )  # fmt: skip
+    metadata = MetadataBuffers(
+        AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+    )
+    return kv_pool, req_pool, metadata
+
+
+def _scheduler_stand_in(
+    role: str, tp: int, tp_rank: int, kv_pool: Any, req_pool: Any, metadata: Any, sa: Any
+) -> Any:
+    """The attributes SGLang's ``_init_kv_manager`` reads from its queue and scheduler."""
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    model_config = SimpleNamespace(
+        num_hidden_layers=NUM_LAYERS,
+        get_total_num_kv_heads=lambda: KV_HEADS,
+        hf_text_config=SimpleNamespace(full_attention_layer_ids=LAYERS_FULL),
+    )
+    scheduler = SimpleNamespace(
+        rust_server=None, server_args=sa, model_config=model_config, req_to_token_pool=req_pool,
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16")),
+        enable_hisparse=False,
+    )  # fmt: skip
+    return SimpleNamespace(
+        token_to_kv_pool=kv_pool, draft_token_to_kv_pool=None, metadata_buffers=metadata, tp_rank=tp_rank,
+        pp_rank=0, scheduler=scheduler, transfer_backend=TransferBackend("pdwire"), is_mla_backend=False,
+        req_to_token_pool=req_pool, enable_staging=False,
+    )  # fmt: skip
+
+
+def make_rank(role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int) -> Rank:
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+
+    sa = _server_args(role, tp, bootstrap_port, http_port)
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    with use_context(ctx):
+        kv_pool, req_pool, metadata = _pools(tp)
+        stand_in = _scheduler_stand_in(role, tp, tp_rank, kv_pool, req_pool, metadata, sa)
+        init = (
+            PrefillBootstrapQueue._init_kv_manager
+            if role == "prefill"
+            else DecodePreallocQueue._init_kv_manager
+        )
+        manager = init(stand_in)
+    return Rank(role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx)
+
+
+# ---------------------------------------------------------------- model-wide content
+
+
+def _rng(room: int, what: str) -> np.random.Generator:
+    # a stable seed: prefill and decode may be different processes (str hashes are salted per process)
+    return np.random.default_rng(zlib.crc32(f"{room}/{what}".encode()))
+
+
+def full_kv(room: int, what: str, tokens: int) -> np.ndarray:
+    """[tokens, KV_HEADS, HEAD_DIM] bf16 bit patterns of one layer's K or V."""
+    return _rng(room, what).integers(0, 1 << 16, size=(tokens, KV_HEADS, HEAD_DIM), dtype=np.uint16)
+
+
+def full_conv(room: int, layer: int) -> np.ndarray:
+    """[conv_dim, KERNEL-1] bf16 bit patterns, channels x | B | C unsharded."""
+    return _rng(room, f"conv{layer}").integers(
+        0, 1 << 16, size=(sum(CONV_GROUPS), KERNEL - 1), dtype=np.uint16
+    )
+
+
+def full_temporal(room: int, layer: int) -> np.ndarray:
+    return _rng(room, f"ssm{layer}").integers(0, 1 << 32, size=(M_HEADS, M_HEAD_DIM, STATE), dtype=np.uint32)
+
+
+def aux_bytes(room: int, nbytes: int) -> np.ndarray:
+    return _rng(room, "aux").integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def conv_shard(full: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """A rank's conv channels: its share of each of x, B and C, concatenated."""
+    parts, off = [], 0
+    for g in CONV_GROUPS:
+        share = g // tp
+        parts.append(full[off + rank * share : off + (rank + 1) * share])
+        off += g
+    return np.concatenate(parts)
+
+
+def _as_u16(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _as_u32(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int32).numpy().view(np.uint32)
+
+
+def swa_window_start(seq_len: int) -> int:
+    return max(0, seq_len - WINDOW) // PAGE * PAGE
+
+
+class Request:
+    """One request's pages, slot and aux item on one rank, and its content there."""
+
+    def __init__(self, rank: Rank, room: int, seq_len: int) -> None:
+        self.rank, self.room, self.seq_len = rank, room, seq_len
+        n_pages = -(-seq_len // PAGE)
+        self.pages = rank.alloc_pages(n_pages)
+        w0 = swa_window_start(seq_len)
+        self.swa_pages = rank.alloc_pages(n_pages - w0 // PAGE)  # the window's pages in the SWA pool
+        self.slot = rank.alloc_slot()
+        self.aux = rank.alloc_aux()
+
+    def heads(self) -> slice:
+        per = KV_HEADS // self.rank.tp_size
+        return slice(self.rank.tp_rank * per, (self.rank.tp_rank + 1) * per)
+
+    def token_rows(self, pages: np.ndarray, n_tokens: int, first_token: int = 0) -> np.ndarray:
+        tok = np.arange(first_token, first_token + n_tokens)
+        return pages[(tok - first_token) // PAGE] * PAGE + (tok - first_token) % PAGE
+
+    # ------------------------------------------------------------ what the rank holds
+
+    def regions(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(what, the rank's bytes now, the bytes it must hold) for every part of the request."""
+        out = []
+        full_pool = self.rank.kv_pool.full_kv_pool
+        swa_pool = self.rank.kv_pool.swa_kv_pool
+        rows = self.token_rows(self.pages, self.seq_len)
+        for kv in ("k", "v"):
+            buf = _as_u16(getattr(full_pool, f"{kv}_buffer")[0])
+            want = full_kv(self.room, f"full-{kv}", self.seq_len)[:, self.heads()]
+            out.append((f"kv {kv}", buf[rows], want))
+            w0 = swa_window_start(self.seq_len)
+            swa_rows = self.token_rows(self.swa_pages, self.seq_len - w0)
+            sbuf = _as_u16(getattr(swa_pool, f"{kv}_buffer")[0])
+            swant = full_kv(self.room, f"swa-{kv}", self.seq_len)[w0:, self.heads()]
+            out.append((f"swa {kv}", sbuf[swa_rows], swant))
+        mamba = self.rank.req_pool.mamba_pool.mamba_cache
+        for li, layer in enumerate(LAYERS_MAMBA):
+            conv = _as_u16(mamba.conv[0][li, self.slot])
+            out.append(
+                (
+                    f"conv layer {layer}",
+                    conv,
+                    conv_shard(full_conv(self.room, layer), self.rank.tp_size, self.rank.tp_rank),
+                )
+            )
+            per = M_HEADS // self.rank.tp_size
+            ssm = _as_u32(mamba.temporal[li, self.slot])
+            out.append(
+                (
+                    f"ssm layer {layer}",
+                    ssm,
+                    full_temporal(self.room, layer)[self.rank.tp_rank * per : (self.rank.tp_rank + 1) * per],
+                )
+            )
+        aux = self._aux_view()
+        out.append(("aux", aux, aux_bytes(self.room, aux.size)))
+        return out
+
+    def _aux_view(self) -> np.ndarray:
+        mb = self.rank.metadata
+        return mb.output_ids[self.aux].view(torch.uint8).numpy()
+
+    def fill(self) -> None:
+        """Write the request's content into the rank's memory (prefill: the prompt's KV and state)."""
+        for _what, now, want in self.regions():
+            now[...] = want
+        self._write_back()
+
+    def _write_back(self) -> None:
+        # regions() returns copies for fancy-indexed views; write them through explicitly
+        full_pool = self.rank.kv_pool.full_kv_pool
+        swa_pool = self.rank.kv_pool.swa_kv_pool
+        rows = self.token_rows(self.pages, self.seq_len)
+        w0 = swa_window_start(self.seq_len)
+        swa_rows = self.token_rows(self.swa_pages, self.seq_len - w0)
+        for kv in ("k", "v"):
+            buf = _as_u16(getattr(full_pool, f"{kv}_buffer")[0])
+            buf[rows] = full_kv(self.room, f"full-{kv}", self.seq_len)[:, self.heads()]
+            sbuf = _as_u16(getattr(swa_pool, f"{kv}_buffer")[0])
+            sbuf[swa_rows] = full_kv(self.room, f"swa-{kv}", self.seq_len)[w0:, self.heads()]
+
+    def mismatches(self) -> list[str]:
+        return [what for what, now, want in self.regions() if not np.array_equal(now, want)]
+
+    # ------------------------------------------------------------ SGLang's index payloads
+
+    def state_indices(self) -> list[Any]:
+        """What prefill.py / decode.py compute per state type (``_swa_payload``, ``_mamba_payload``)."""
+        out: list[Any] = []
+        for t in self.rank.manager.kv_args.state_types:
+            if t.value == "swa":
+                out.append(self.swa_pages.copy())
+            elif t.value == "mamba":
+                out.append([np.asarray(self.slot, dtype=np.int32)])
+            else:
+                out.append(None)
+        return out
+
+
+def min_poll(polls: list[int]) -> int:
+    """SGLang's all-reduce of polls over a TP group (``_all_reduce_polls``: MIN)."""
+    return min(int(p) for p in polls)
+
+
+class EngineThread(threading.Thread):
+    """One engine's scheduler thread: runs ``fn`` and keeps what it raised."""
+
+    def __init__(self, name: str, fn: Any) -> None:
+        super().__init__(name=name, daemon=True)
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:
+            self.error = exc

@@ -1,0 +1,379 @@
+"""pdwire's SGLang backend moving a hybrid model's state between TP sizes, driven like SGLang.
+
+SGLang 0.5.23's real parts: the plugin (``load_plugins``), its bootstrap server on 127.0.0.1,
+its memory pools (``SWAKVPool``, ``HybridReqToTokenPool`` with Mamba2 state,
+``MetadataBuffers``) on the CPU, ``KVArgs`` and managers built by its own
+``_init_kv_manager`` of the prefill and decode queues, and the order its schedulers call the
+sender and receiver in, from one scheduler thread per engine: decode ``try_ensure_parallel_info``
+-> ``init`` -> polls until WaitingForInput -> ``send_metadata``; prefill polls until
+WaitingForInput -> ``pop_decode_prefix_len`` -> ``init`` -> one ``send`` per chunk with the
+state indices on the last -> polls until Success. Polls are all-reduced over each TP group
+with MIN, as SGLang does. Transfers go through real NIXL agents (one per rank) over loopback.
+Every decode rank's pages, SWA window, Mamba slot and aux item are compared byte for byte
+with its shard of the model-wide content.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+warnings.filterwarnings("ignore")
+
+from tests.sglang_backend import harness as h  # noqa: E402
+
+pytest.importorskip("nixl")
+
+
+@pytest.fixture(scope="module")
+def sglang() -> Any:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend("pdwire")
+    return {
+        "KVPoll": KVPoll,
+        "sender": get_kv_class(backend, KVClassType.SENDER),
+        "receiver": get_kv_class(backend, KVClassType.RECEIVER),
+        "server": get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER),
+    }
+
+
+def _wait(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class Pair:
+    """A prefill engine of P ranks and a decode engine of D ranks around one bootstrap server."""
+
+    def __init__(self, sglang: Any, p: int, d: int) -> None:
+        self.sg = sglang
+        self.port = h.free_port()
+        self.server = sglang["server"](host="127.0.0.1", port=self.port)
+        self.addr = f"127.0.0.1:{self.port}"
+        http_p, http_d = h.free_port(), h.free_port()
+        self.prefill = [h.make_rank("prefill", p, r, self.port, http_p) for r in range(p)]
+        self.decode = [h.make_rank("decode", d, r, self.port, http_d) for r in range(d)]
+
+    def close(self) -> None:
+        for rank in self.prefill + self.decode:
+            rank.manager.teardown()
+        self.server.close()
+
+
+def _decode_engine(pair: Pair, rooms: dict[int, int], outcome: dict[int, int]) -> Callable[[], None]:
+    KVPoll = pair.sg["KVPoll"]
+
+    def run() -> None:
+        # DecodePreallocQueue: receivers, prefill info, init, handshake polls
+        recv: dict[int, list[Any]] = {}
+        reqs: dict[int, list[h.Request]] = {}
+        for room in rooms:
+            recv[room] = [
+                pair.sg["receiver"](mgr=r.manager, bootstrap_addr=pair.addr, bootstrap_room=room)
+                for r in pair.decode
+            ]
+        for rank in pair.decode:
+            _wait("prefill topology", lambda rank=rank: rank.manager.try_ensure_parallel_info(pair.addr))
+        for room in rooms:
+            for rx in recv[room]:
+                rx.init(0)
+        waiting = set(rooms)
+        while waiting:
+            for room in list(waiting):
+                poll = h.min_poll([rx.poll() for rx in recv[room]])
+                assert poll != KVPoll.Failed, [rx._failure for rx in recv[room]]
+                if poll == KVPoll.WaitingForInput:
+                    waiting.discard(room)
+                    reqs[room] = [h.Request(rank, room, rooms[room]) for rank in pair.decode]
+                    for rx, req in zip(recv[room], reqs[room], strict=True):
+                        rx.send_metadata(req.pages, req.aux, req.state_indices(), decode_prefix_len=0)
+            time.sleep(0.002)
+        # DecodeTransferQueue.pop_transferred
+        pending = set(rooms)
+        deadline = time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            for room in list(pending):
+                poll = h.min_poll([rx.poll() for rx in recv[room]])
+                if poll in (KVPoll.Success, KVPoll.Failed):
+                    outcome[room] = poll
+                    if poll == KVPoll.Failed:
+                        outcome[-room] = [rx._failure for rx in recv[room]]  # type: ignore[assignment]
+                    else:
+                        for req in reqs[room]:
+                            bad = req.mismatches()
+                            assert not bad, (
+                                f"decode tp {req.rank.tp_rank}/{req.rank.tp_size} room {room}: {bad}"
+                            )
+                    for rx in recv[room]:
+                        rx.clear()
+                    pending.discard(room)
+            time.sleep(0.002)
+        assert not pending, f"rooms {sorted(pending)} never finished on decode"
+
+    return run
+
+
+def _prefill_engine(
+    pair: Pair, rooms: dict[int, int], outcome: dict[int, int], chunk_pages: int
+) -> Callable[[], None]:
+    KVPoll = pair.sg["KVPoll"]
+
+    def run() -> None:
+        send = {
+            room: [
+                pair.sg["sender"](mgr=r.manager, bootstrap_addr=pair.addr, bootstrap_room=room)
+                for r in pair.prefill
+            ]
+            for room in rooms
+        }
+        reqs = {room: [h.Request(rank, room, rooms[room]) for rank in pair.prefill] for room in rooms}
+        for room in rooms:
+            for req in reqs[room]:
+                req.fill()
+        # PrefillBootstrapQueue.pop_bootstrapped
+        waiting = set(rooms)
+        while waiting:
+            for room in list(waiting):
+                poll = h.min_poll([s.poll() for s in send[room]])
+                assert poll != KVPoll.Failed
+                if poll == KVPoll.WaitingForInput:
+                    waiting.discard(room)
+                    for s, req in zip(send[room], reqs[room], strict=True):
+                        assert s.pop_decode_prefix_len() == 0
+                        s.init(len(req.pages), req.aux)
+                    # chunked prefill: one send per chunk, state indices on the last
+                    n = len(reqs[room][0].pages)
+                    for start in range(0, n, chunk_pages):
+                        last = start + chunk_pages >= n
+                        for s, req in zip(send[room], reqs[room], strict=True):
+                            s.send(
+                                req.pages[start : start + chunk_pages], req.state_indices() if last else None
+                            )
+            time.sleep(0.002)
+        pending = set(rooms)
+        deadline = time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            for room in list(pending):
+                poll = h.min_poll([s.poll() for s in send[room]])
+                if poll in (KVPoll.Success, KVPoll.Failed):
+                    outcome[room] = poll
+                    for s in send[room]:
+                        s.clear()
+                    pending.discard(room)
+            time.sleep(0.002)
+        assert not pending, f"rooms {sorted(pending)} never finished on prefill"
+
+    return run
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 4), (2, 1), (1, 2)])
+def test_hybrid_requests_move_byte_for_byte(sglang: Any, p: int, d: int) -> None:
+    pair = Pair(sglang, p, d)
+    try:
+        rooms = {1001 + 10 * p + d: 22, 2003 + 10 * p + d: 9, 3005 + 10 * p + d: 16}  # prompt tokens
+        pre_out: dict[int, int] = {}
+        dec_out: dict[int, int] = {}
+        dec = h.EngineThread("decode-scheduler", _decode_engine(pair, rooms, dec_out))
+        pre = h.EngineThread("prefill-scheduler", _prefill_engine(pair, rooms, pre_out, chunk_pages=2))
+        dec.start()
+        pre.start()
+        dec.join(300)
+        pre.join(300)
+        assert dec.error is None, repr(dec.error)
+        assert pre.error is None, repr(pre.error)
+        KVPoll = sglang["KVPoll"]
+        assert {r: dec_out[r] for r in rooms} == {r: KVPoll.Success for r in rooms}, dec_out
+        assert pre_out == {r: KVPoll.Success for r in rooms}
+    finally:
+        pair.close()
+
+
+def _poll_until(
+    what: str, pollers: list[Any], want: set[int], timeout: float = 60.0, every: bool = False
+) -> int:
+    """Poll like SGLang (MIN over the group) until the result is in ``want``; with ``every``,
+    until each rank's own poll is (a rank that only learns of a failure through the all-reduce
+    reports it as coming from another rank, as SGLang's backends do)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        polls = [int(p.poll()) for p in pollers]
+        poll = h.min_poll(polls)
+        if all(q in want for q in polls) if every else poll in want:
+            return poll
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: still {poll} after {timeout}s")
+        time.sleep(0.005)
+
+
+def test_aborts_on_both_sides_and_a_failed_peer(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread plays both schedulers here (the order of calls is SGLang's)."""
+    KVPoll = sglang["KVPoll"]
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "8")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "8")
+    pair = Pair(sglang, 1, 2)
+    torn_down = False
+    try:
+        for rank in pair.decode:
+            _wait("prefill topology", lambda rank=rank: rank.manager.try_ensure_parallel_info(pair.addr))
+
+        def start(room: int, seq_len: int) -> tuple[list[Any], list[Any], list[h.Request]]:
+            tx = [
+                sglang["sender"](mgr=r.manager, bootstrap_addr=pair.addr, bootstrap_room=room)
+                for r in pair.prefill
+            ]
+            rx = [
+                sglang["receiver"](mgr=r.manager, bootstrap_addr=pair.addr, bootstrap_room=room)
+                for r in pair.decode
+            ]
+            for r in rx:
+                r.init(0)
+            _poll_until("decode handshake", rx, {KVPoll.WaitingForInput})
+            dreqs = [h.Request(rank, room, seq_len) for rank in pair.decode]
+            for r, req in zip(rx, dreqs, strict=True):
+                r.send_metadata(req.pages, req.aux, req.state_indices(), decode_prefix_len=0)
+            _poll_until("prefill bootstrap", tx, {KVPoll.WaitingForInput})
+            return tx, rx, dreqs
+
+        # decode aborts: prefill learns it (its room fails), and decode's fence comes back
+        tx, rx, _ = start(7001, 12)
+        rx[0].abort()
+        assert rx[0].poll() == KVPoll.Failed and rx[0].abort_notified
+        for r in rx[1:]:
+            r.abort()
+        assert _poll_until("prefill after decode abort", tx, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+        with pytest.raises(Exception, match="abort"):
+            tx[0].failure_exception()
+        _wait("decode fence", lambda: all(r.is_abort_release_safe() for r in rx))
+        assert all(r.kv_mgr.is_abort_release_safe(7001, 1) for r in rx)
+
+        # prefill aborts after decode asked: every decode rank is told Failed
+        tx, rx, _ = start(7002, 12)
+        for s in tx:
+            s.abort()
+            assert s.poll() == KVPoll.Failed
+        assert _poll_until("decode after prefill abort", rx, {KVPoll.Failed}, every=True) == KVPoll.Failed
+        with pytest.raises(Exception, match="abort"):
+            rx[0].failure_exception()
+
+        # a room whose decode never asks: the prefill sender fails at the bootstrap timeout
+        lonely = sglang["sender"](mgr=pair.prefill[0].manager, bootstrap_addr=pair.addr, bootstrap_room=7003)
+        assert lonely.poll() == KVPoll.Bootstrapping
+        assert _poll_until("bootstrap timeout", [lonely], {KVPoll.Failed}, timeout=30) == KVPoll.Failed
+        with pytest.raises(Exception, match="Bootstrapping"):
+            lonely.failure_exception()
+
+        # a failed peer: the prefill engine goes away mid-request; decode fails typed once it
+        # notices the lost connection (its heartbeat goes unanswered), at the deadline at the latest
+        tx, rx, dreqs = start(7004, 12)
+        tx[0].init(len(dreqs[0].pages), 0)
+        tx[0].send(np.arange(1, 3, dtype=np.int32))  # the first chunk only
+        for rank in pair.prefill:
+            rank.manager.teardown()
+        torn_down = True
+        assert (
+            _poll_until("decode after the prefill died", rx, {KVPoll.Failed}, 60, every=True) == KVPoll.Failed
+        )
+        lost = r"peer_gone: .*control connection lost|room 7004 incomplete at deadline"
+        with pytest.raises(Exception, match=lost):
+            rx[0].failure_exception()
+    finally:
+        if torn_down:
+            for rank in pair.decode:
+                rank.manager.teardown()
+            pair.server.close()
+        else:
+            pair.close()
+
+
+def test_warmup_requests_pair_sglang_fake_classes_with_the_pdwire_manager(sglang: Any) -> None:
+    """SGLang's warm-up requests (bootstrap host 2.2.2.2) use its FakeKVSender/FakeKVReceiver with
+    the real backend's manager: they must complete without touching pdwire's worker."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    KVPoll = sglang["KVPoll"]
+    fake = TransferBackend.FAKE
+    pair = Pair(sglang, 1, 1)
+    try:
+        pre, dec = pair.prefill[0], pair.decode[0]
+        room = 9001
+        tx = get_kv_class(fake, KVClassType.SENDER)(
+            mgr=pre.manager, bootstrap_addr="2.2.2.2:1", bootstrap_room=room
+        )
+        rx = get_kv_class(fake, KVClassType.RECEIVER)(
+            mgr=dec.manager, bootstrap_addr="2.2.2.2:1", bootstrap_room=room
+        )
+        rx.init(0)
+        req = h.Request(dec, room, 8)
+        rx.send_metadata(req.pages, req.aux, req.state_indices())
+        tx.init(len(req.pages), 0)
+        tx.send(req.pages, req.state_indices())
+        assert _poll_until("fake sender", [tx], {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert _poll_until("fake receiver", [rx], {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        for mgr in (pre.manager, dec.manager):
+            assert room not in mgr.watched and room not in mgr.outcomes
+            assert mgr.submit(mgr.worker.status, room).result(30) is None
+    finally:
+        pair.close()
+
+
+def test_prefill_and_decode_in_separate_processes(sglang: Any, tmp_path: Any) -> None:
+    """The prefill engine (bootstrap server and 2 ranks) in a child process, 1 decode rank here;
+    NIXL between the processes, everything else as in the in-process test."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    KVPoll = sglang["KVPoll"]
+    bport, http_p, http_d = h.free_port(), h.free_port(), h.free_port()
+    rooms = {4101: 21, 4102: 10}
+    stderr_path = tmp_path / "prefill-stderr.txt"
+    with stderr_path.open("w") as errors:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.sglang_backend.prefill_process", "2", str(bport), str(http_p),
+             json.dumps(rooms)],
+            stdout=subprocess.PIPE, stderr=errors, text=True, env=dict(os.environ),
+            cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+    decode: list[h.Rank] = []
+    try:
+        assert child.stdout is not None
+
+        def next_line(prefix: str) -> str:
+            # the engines log to stdout too (NIXL's INFO lines): skip to the line we wait for
+            assert child.stdout is not None
+            for line in child.stdout:
+                if line.startswith(prefix):
+                    return line.strip()
+            raise AssertionError(f"prefill process ended before {prefix}: {stderr_path.read_text()[-3000:]}")
+
+        next_line("READY")
+        decode = [h.make_rank("decode", 1, 0, bport, http_d)]
+        pair = type("DecodeOnly", (), {})()
+        pair.sg, pair.addr, pair.decode = sglang, f"127.0.0.1:{bport}", decode
+        out: dict[int, int] = {}
+        _decode_engine(pair, rooms, out)()  # type: ignore[arg-type]
+        assert {r: out[r] for r in rooms} == {r: KVPoll.Success for r in rooms}
+        done = next_line("DONE ")
+        assert json.loads(done[5:]) == {str(r): int(KVPoll.Success) for r in rooms}
+        assert child.wait(120) == 0
+    finally:
+        for rank in decode:
+            rank.manager.teardown()
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
