@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
+venv="${PDWIRE_VENV:-.venv}"
+case "$venv" in /*) ;; *) venv="$root/$venv" ;; esac
 tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 mkdir -p "$tree/pdwire"
@@ -17,4 +19,4 @@ ln -s "$root/generated" "$tree/pdwire/wire"
 ln -s "$root/runtime" "$tree/pdwire/runtime"
 ln -s "$root/schema" "$tree/pdwire/schema"
 cd "$tree"
-exec "$root/${PDWIRE_VENV:-.venv}/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p pdwire
+exec "$venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p pdwire

@@ -82,3 +82,47 @@ def test_top_level_help_lists_every_command_without_importing_any() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[] [] False"
+
+
+def test_licence_setuptools_floor_type_hints_and_the_demo_extra() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = config["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    # the SPDX string form of `license` and `license-files` need setuptools 77 (PEP 639)
+    (floor,) = [r for r in config["build-system"]["requires"] if r.startswith("setuptools")]
+    assert floor.startswith("setuptools>=") and tuple(map(int, floor.split(">=")[1].split("."))) >= (77,)
+    data = config["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["pdwire"] and (ROOT / "pdwire" / "py.typed").is_file()
+    # torch only in the demo extra, at the version the CPU constraint file pins
+    pins = [
+        line.strip()
+        for line in (ROOT / "scripts" / "cpu-torch-constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert project["optional-dependencies"]["demo"] == pins == ["torch==2.13.0"]
+    assert not any(d.startswith("torch") for d in project["dependencies"])
+
+
+def _fake_venv(where: Path) -> Path:
+    """A venv whose `pdwire` only records that it was found and stops the check script."""
+    bin_dir = where / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "pdwire").write_text(f'#!/bin/sh\necho "$0 $*" > {where}/called\nexit 3\n')
+    (bin_dir / "pdwire").chmod(0o755)
+    return where
+
+
+def test_the_check_script_finds_the_venv_by_absolute_and_relative_path(tmp_path: Path) -> None:
+    import os
+
+    for name, as_given in (("abs", lambda p: str(p)), ("rel", lambda p: os.path.relpath(p, ROOT))):
+        fake = _fake_venv(tmp_path / name)
+        env = {**os.environ, "PDWIRE_VENV": as_given(fake)}
+        done = subprocess.run(
+            ["bash", "scripts/check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 3, done.stderr  # the fake pdwire ran (not "command not found")
+        called, *args = (fake / "called").read_text().split()
+        assert os.path.realpath(called) == str(fake / "bin" / "pdwire") and args == ["codegen", "--check"]
