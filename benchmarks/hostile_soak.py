@@ -5,9 +5,9 @@
 The prefill rank runs in its own process (a PrefillWorker on the local backend with the demo
 model's caches, stepped in a loop). This process opens ``--connections`` sockets to it,
 ``--batch`` at a time, sends ``--messages`` messages over them in all (well-formed Hellos,
-random bytes, frames of a valid envelope with garbage inside, registrations with bad backend
-metadata, requests from unregistered peers) and closes them. The rank's resident set size is
-read from ``/proc/PID/status`` after every ``--sample`` connections.
+random bytes, frames of a valid envelope with garbage inside, registrations whose backend
+metadata is garbage, requests from peers that never registered) and closes them. The rank's
+resident set size is read from ``/proc/PID/status`` after every ``--sample`` connections.
 
 Two runs, the same attack:
 
@@ -93,16 +93,40 @@ def serve(mode: str) -> int:
 # --------------------------------------------------------------------------- the attack
 
 
-def hostile_messages(rng: random.Random, hello: list[bytes], register: list[bytes]) -> list[list[bytes]]:
-    """A mix of what a hostile peer sends (each a list of frames)."""
+def hostile_messages(
+    rng: random.Random, hello: list[bytes], register: list[bytes], request: list[bytes]
+) -> list[list[bytes]]:
+    """A mix of what a hostile peer sends (each a list of frames), in the order one connection
+    sends them: a Hello first, so the registration and the request reach the connection machine."""
     envelope = hello[0]
     return [
         hello,
         [rng.randbytes(rng.randrange(1, 512))],
         [envelope, rng.randbytes(rng.randrange(1, 2048))],
         register,
+        request,
         [rng.randbytes(8), rng.randbytes(8), rng.randbytes(rng.randrange(1, 64))],
     ]
+
+
+def bad_registration(spec: Any, agent_name: str) -> Any:
+    """A well-formed RegisterInfo of a TP-1 decode rank of ``spec`` whose backend metadata is
+    garbage: the rank must refuse it (a typed peer failure) and keep serving."""
+    from pdwire.runtime.backends.local import LocalBackend
+    from pdwire.runtime.demo.model import Capacity, build_caches, bytes_needed
+    from pdwire.runtime.session.registration import register_info
+
+    cap = Capacity(pages=8, slots=2, swa_pages=4, aux_items=2)
+    backend = LocalBackend(agent_name=agent_name)
+    try:
+        memory = backend.allocate("caches", bytes_needed(spec, 1, 0, cap)).array
+        caches = build_caches(spec, 1, 0, cap, memory)
+        return register_info(
+            caches.memory, endpoint="tcp://127.0.0.1:1", engine_id="evil", agent_name=agent_name,
+            agent_metadata=random.Random(3).randbytes(200),
+        )  # fmt: skip
+    finally:
+        backend.close()
 
 
 def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -132,7 +156,8 @@ def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         room=5, sender="evil", dst_kv_indices=[1, 2, 3], dst_aux_index=0, required_dst_info_num=1,
         decode_prefix_len=0, is_dummy=False, state_indices=[],
     )  # fmt: skip
-    register = [bytes(f) for f in wire.encode(bad_request, wire.NEWEST)]
+    request = [bytes(f) for f in wire.encode(bad_request, wire.NEWEST)]
+    register = [bytes(f) for f in wire.encode(bad_registration(spec, "evil"), wire.NEWEST)]
     rng = random.Random(7)
     ctx = zmq.Context()
     per_conn = max(1, args.messages // args.connections)
@@ -153,7 +178,7 @@ def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             s.connect(endpoint)
             socks.append(s)
             opened += 1
-        msgs = hostile_messages(rng, hello, register)
+        msgs = hostile_messages(rng, hello, register, request)
         for s in socks:
             for i in range(per_conn):
                 # a socket whose handshake was refused already has no pipe to queue on

@@ -232,13 +232,6 @@ def layout_needs(memory: RankMemory, *, own_layout: bool) -> list[tuple[tuple[in
     return out
 
 
-def features_needing_layouts(
-    memory: RankMemory, *, own_layout: bool, version: tuple[int, int] = (1, 3)
-) -> list[str]:
-    """The names of what ``memory`` uses that ``version`` lacks (see :func:`layout_needs`)."""
-    return [what for since, what in layout_needs(memory, own_layout=own_layout) if since > version]
-
-
 def check_layout_version(
     version: tuple[int, int],
     memory: RankMemory,

@@ -15,6 +15,7 @@ The worker itself is not thread-safe: once the thread runs, call it only through
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import deque
@@ -23,6 +24,8 @@ from concurrent.futures import Future
 from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
+
+log = logging.getLogger("pdwire.worker")
 
 
 class Steppable(Protocol):
@@ -135,6 +138,8 @@ class WorkerThread(Generic[W]):
             self._run_calls()
         except BaseException as exc:  # a bug in the worker: every caller must hear of it
             self.error = exc
+            # and the operator: a rank whose loop stopped answers no peer from now on
+            log.critical("worker thread %s stopped: %r", self._thread.name, exc, exc_info=exc)
         finally:
             self.worker.poller.unregister(self._wake_r)
             with self._lock:
