@@ -365,7 +365,13 @@ def _version(text: str | None) -> tuple[int, int] | None:
     m = re.fullmatch(r"(\d+)\.(\d+)", text)
     if m is None:
         raise InputError(f"--profile-version {text!r} is not MAJOR.MINOR")
-    return int(m.group(1)), int(m.group(2))
+    version = int(m.group(1)), int(m.group(2))
+    from pdwire.wire import sglang
+
+    if version not in sglang.VERSIONS:
+        known = ", ".join(f"{a}.{b}" for a, b in sorted(sglang.VERSIONS))
+        raise InputError(f"--profile-version {text}: {sglang.PROFILE} has no such version (known: {known})")
+    return version
 
 
 def run(args: argparse.Namespace) -> int:

@@ -116,6 +116,11 @@ def test_one_bad_message_fails_the_capture_but_the_others_are_shown(
         ("abc\n", ["--format", "hex"], "hex line 1: an odd number of hex digits: 'abc'"),
         ("", [], "the capture holds no frames"),
         ("00\n", ["--profile-version", "2"], "--profile-version '2' is not MAJOR.MINOR"),
+        (
+            "00\n",
+            ["--profile-version", "9.9"],
+            "--profile-version 9.9: sglang has no such version (known: 1.0, 2.0)",
+        ),
     ],
 )
 def test_unreadable_captures_are_one_line_and_exit_2(
