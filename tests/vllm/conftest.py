@@ -47,6 +47,11 @@ def nixl_config(role: str) -> dict[str, object]:
 
 
 def pdwire_config(role: str, **extra: object) -> dict[str, object]:
+    if role == "kv_consumer":
+        # Up to seven engines share these 2 cores, their threads pinned by vLLM: a prefill rank's
+        # ZMTP heartbeat answers can wait seconds (a killed one is still noticed at once, by its
+        # closed connection, which test_dense's kill test relies on)
+        extra.setdefault("pdwire_peer_timeout_s", 60.0)
     return {
         "kv_connector": "PdwireConnector",
         "kv_connector_module_path": "pdwire.integrations.vllm",

@@ -81,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "pdwire_room_timeout_s": 120.0,  # also the lease: prefill frees blocks no decode asked for
     "pdwire_transfer_timeout_s": 60.0,
     "pdwire_handshake_timeout_s": 120.0,
+    "pdwire_peer_timeout_s": 10.0,  # decode: a prefill rank silent this long (heartbeats) is lost
     "pdwire_model_name": None,  # default: the model folder's name
     "pdwire_model_revision": None,  # default: vLLM's revision, else a hash of the model config
     "pdwire_versions": [],  # protocol versions offered; empty: all this build speaks
@@ -447,7 +448,9 @@ class _Worker:
             self.endpoint = worker.endpoint
         else:
             dcfg = pd.DecodeConfig(
-                **common, handshake_timeout_s=float(self.extra["pdwire_handshake_timeout_s"])
+                **common,
+                handshake_timeout_s=float(self.extra["pdwire_handshake_timeout_s"]),
+                peer_timeout_s=float(self.extra["pdwire_peer_timeout_s"]),
             )
             worker = pd.DecodeWorker(
                 dcfg, memory, on_finished=self._on_finished, on_slots_released=self._on_slots_released
