@@ -15,6 +15,8 @@ from typing import Any
 
 import jinja2
 
+from pdwire import wirecore
+
 from .errors import SchemaError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -77,6 +79,8 @@ def environment() -> jinja2.Environment:
     env.filters["py"] = repr
     env.filters["tuple_of"] = tuple_of
     env.filters["bare"] = bare
+    # every generated module checks at import that it runs on the library it was generated for
+    env.globals["api_version"] = wirecore.API_VERSION
     return env
 
 

@@ -15,7 +15,7 @@ from pdwire.wirecore.negotiate import negotiate
 
 from . import v1 as _v1
 
-_wc.require(2, __name__)
+_wc.require(3, __name__)
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1

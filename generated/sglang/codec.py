@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdwire import wirecore as _wc
 from pdwire.wirecore import positional_codec as _pc
 
 from . import v1_0, v2_0
+
+_wc.require(3, __name__)
 
 PROFILE = "sglang"
 NEWEST = (2, 0)

@@ -20,11 +20,14 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from pdwire import wirecore as _wc
 from pdwire.protocols.sglang import rules as _rules
 from pdwire.wirecore import frame_encodings as _fe
 from pdwire.wirecore import positional_codec as _pc
 from pdwire.wirecore.arrays import values_equal as _eq
 from pdwire.wirecore.profile_errors import Where as _Where
+
+_wc.require(3, __name__)
 
 VERSION = (1, 0)
 PROFILE = "sglang"
@@ -192,12 +195,7 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         f_local_ip = str(fr[1], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeRegister["local_ip"])
-    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
-        f_rank_port = int(fr[2])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[2], 0, 65535, _W_MooncakeRegister, "rank_port")
     try:
         f_session_id = str(fr[3], "ascii")
     except UnicodeDecodeError:
@@ -205,31 +203,16 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister["kv_data_ptrs"])
     f_aux_data_ptrs = _fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister["aux_data_ptrs"])
     f_flat_state_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_MooncakeRegister["flat_state_data_ptrs"])
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_dst_tp_rank = int(fr[7])
-        if f_dst_tp_rank > 4294967295:
-            f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister["dst_tp_rank"])
-    else:
-        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister["dst_tp_rank"])
-    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
-        f_attn_tp_size = int(fr[8])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister["attn_tp_size"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_kv_item_len = int(fr[9])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister["kv_item_len"])
+    f_dst_tp_rank = _fe.read_int(fr[7], 0, 4294967295, _W_MooncakeRegister, "dst_tp_rank")
+    f_attn_tp_size = _fe.read_int(fr[8], 0, 4294967295, _W_MooncakeRegister, "attn_tp_size")
+    f_kv_item_len = _fe.read_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister, "kv_item_len")
     f_flat_state_item_lens = (
-        (_fe.dec_array(fr[10], _fe.NATIVE_U32, _W_MooncakeRegister["flat_state_item_lens"]))
+        _fe.dec_array(fr[10], _fe.NATIVE_U32, _W_MooncakeRegister["flat_state_item_lens"])
         if n > 10
         else _EMPTY_U32
     )
     f_flat_state_dim_per_tensor = (
-        (_fe.dec_array(fr[11], _fe.NATIVE_U32, _W_MooncakeRegister["flat_state_dim_per_tensor"]))
+        _fe.dec_array(fr[11], _fe.NATIVE_U32, _W_MooncakeRegister["flat_state_dim_per_tensor"])
         if n > 11
         else _EMPTY_U32
     )
@@ -241,29 +224,13 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
     else:
         f_enable_hisparse = ""
     f_flat_staging_base_ptr = (
-        (_fe.dec_u64_opt(fr[13], _W_MooncakeRegister["flat_staging_base_ptr"])) if n > 13 else None
+        _fe.dec_u64_opt(fr[13], _W_MooncakeRegister["flat_staging_base_ptr"]) if n > 13 else None
     )
-    if n > 14:
-        if not fr[14]:
-            f_flat_staging_total_size = None
-        else:
-            if (
-                type(fr[14]) is bytes
-                and fr[14].isdigit()
-                and len(fr[14]) <= 20
-                and (len(fr[14]) == 1 or fr[14][0] != 48)
-            ):
-                f_flat_staging_total_size = int(fr[14])
-                if f_flat_staging_total_size > 18446744073709551615:
-                    f_flat_staging_total_size = _fe.dec_int_opt(
-                        fr[14], 0, 18446744073709551615, _W_MooncakeRegister["flat_staging_total_size"]
-                    )
-            else:
-                f_flat_staging_total_size = _fe.dec_int_opt(
-                    fr[14], 0, 18446744073709551615, _W_MooncakeRegister["flat_staging_total_size"]
-                )
-    else:
-        f_flat_staging_total_size = None
+    f_flat_staging_total_size = (
+        _fe.read_int_or(fr[14], 0, 18446744073709551615, None, _W_MooncakeRegister, "flat_staging_total_size")
+        if n > 14
+        else None
+    )
     m = MooncakeRegister(
         local_ip=f_local_ip,
         rank_port=f_rank_port,
@@ -292,7 +259,7 @@ _SPEC_MooncakeRegister = _pc.MessageSpec(
     cls=MooncakeRegister,
     min_frames=10,
     max_frames=15,
-    consts=((0, "None".encode("ascii")),),
+    consts=((0, b"None"),),
     match=(),
     decode=_dec_MooncakeRegister,
     encode=_enc_MooncakeRegister,
@@ -416,74 +383,29 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeTransferInfo, n)
         assert err is not None
         raise err
-    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
-        f_room = int(fr[0])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo["room"])
+    f_room = _fe.read_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo, "room")
     try:
         f_local_ip = str(fr[1], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeTransferInfo["local_ip"])
-    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
-        f_rank_port = int(fr[2])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[2], 0, 65535, _W_MooncakeTransferInfo, "rank_port")
     try:
         f_session_id = str(fr[3], "ascii")
     except UnicodeDecodeError:
         f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeTransferInfo["session_id"])
     f_kv_indices = _fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo["kv_indices"])
-    if not fr[5]:
-        f_aux_index = None
-    else:
-        if (
-            type(fr[5]) is bytes
-            and fr[5].isdigit()
-            and len(fr[5]) <= 19
-            and (len(fr[5]) == 1 or fr[5][0] != 48)
-        ):
-            f_aux_index = int(fr[5])
-            if f_aux_index > 9223372036854775807:
-                f_aux_index = _fe.dec_int_opt(
-                    fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo["aux_index"]
-                )
-        else:
-            f_aux_index = _fe.dec_int_opt(
-                fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo["aux_index"]
-            )
+    f_aux_index = _fe.read_int_or(
+        fr[5], -9223372036854775808, 9223372036854775807, None, _W_MooncakeTransferInfo, "aux_index"
+    )
     f_flat_state_indices = _fe.dec_array(fr[6], _fe.NATIVE_I32, _W_MooncakeTransferInfo["flat_state_indices"])
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_required_dst_info_num = int(fr[7])
-        if f_required_dst_info_num > 4294967295:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[7], 0, 4294967295, _W_MooncakeTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = _fe.dec_int(
-            fr[7], 0, 4294967295, _W_MooncakeTransferInfo["required_dst_info_num"]
-        )
-    if n > 8:
-        if (
-            type(fr[8]) is bytes
-            and fr[8].isdigit()
-            and len(fr[8]) <= 20
-            and (len(fr[8]) == 1 or fr[8][0] != 48)
-        ):
-            f_decode_prefix_len = int(fr[8])
-            if f_decode_prefix_len > 18446744073709551615:
-                f_decode_prefix_len = _fe.dec_int(
-                    fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo["decode_prefix_len"]
-                )
-        else:
-            f_decode_prefix_len = _fe.dec_int(
-                fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo["decode_prefix_len"]
-            )
-    else:
-        f_decode_prefix_len = 0
+    f_required_dst_info_num = _fe.read_int(
+        fr[7], 0, 4294967295, _W_MooncakeTransferInfo, "required_dst_info_num"
+    )
+    f_decode_prefix_len = (
+        _fe.read_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo, "decode_prefix_len")
+        if n > 8
+        else 0
+    )
     m = MooncakeTransferInfo(
         room=f_room,
         local_ip=f_local_ip,
@@ -502,8 +424,8 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
 
 
 def _rec_MooncakeTransferInfo(fr: list[bytes]) -> bool:
-    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and not (
-        fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (fr[0][0] != 48 or len(fr[0]) == 1)) and not (
+        fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)
     )
 
 
@@ -593,21 +515,11 @@ def _dec_MooncakeStatus(fr: list[_fe.Buf]) -> MooncakeStatus:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeStatus, n)
         assert err is not None
         raise err
-    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
-        f_room = int(fr[0])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus["room"])
-    else:
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus["room"])
+    f_room = _fe.read_int(fr[0], 0, 18446744073709551615, _W_MooncakeStatus, "room")
     f_status = _T_KVPoll.get(fr[1]) if type(fr[1]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[1], KVPoll, _W_MooncakeStatus["status"])
-    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 10 and (len(fr[2]) == 1 or fr[2][0] != 48):
-        f_prefill_rank = int(fr[2])
-        if f_prefill_rank > 4294967295:
-            f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus["prefill_rank"])
-    else:
-        f_prefill_rank = _fe.dec_int(fr[2], 0, 4294967295, _W_MooncakeStatus["prefill_rank"])
+    f_prefill_rank = _fe.read_int(fr[2], 0, 4294967295, _W_MooncakeStatus, "prefill_rank")
     if n > 3:
         try:
             f_reason = str(fr[3], "utf-8") if fr[3] else None
@@ -626,9 +538,9 @@ def _dec_MooncakeStatus(fr: list[_fe.Buf]) -> MooncakeStatus:
 
 def _rec_MooncakeStatus(fr: list[bytes]) -> bool:
     return (
-        (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48))
-        and (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48))
-        and (fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48))
+        (fr[0].isdigit() and len(fr[0]) <= 20 and (fr[0][0] != 48 or len(fr[0]) == 1))
+        and (fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1))
+        and (fr[2].isdigit() and len(fr[2]) <= 20 and (fr[2][0] != 48 or len(fr[2]) == 1))
     )
 
 
@@ -820,12 +732,7 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlRegister["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_NixlRegister, "rank_port")
     try:
         f_agent_name = str(fr[4], "ascii")
     except UnicodeDecodeError:
@@ -834,91 +741,27 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister["kv_data_ptrs"])
     f_aux_data_ptrs = _fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister["aux_data_ptrs"])
     f_flat_state_data_ptrs = _fe.dec_array(fr[8], _fe.NATIVE_U64, _W_NixlRegister["flat_state_data_ptrs"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_gpu_id = int(fr[9])
-        if f_gpu_id > 4294967295:
-            f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister["gpu_id"])
-    else:
-        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister["gpu_id"])
-    if (
-        type(fr[10]) is bytes
-        and fr[10].isdigit()
-        and len(fr[10]) <= 10
-        and (len(fr[10]) == 1 or fr[10][0] != 48)
-    ):
-        f_attn_tp_size = int(fr[10])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister["attn_tp_size"])
-    if (
-        type(fr[11]) is bytes
-        and fr[11].isdigit()
-        and len(fr[11]) <= 10
-        and (len(fr[11]) == 1 or fr[11][0] != 48)
-    ):
-        f_engine_rank = int(fr[11])
-        if f_engine_rank > 4294967295:
-            f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister["engine_rank"])
-    else:
-        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister["engine_rank"])
-    if (
-        type(fr[12]) is bytes
-        and fr[12].isdigit()
-        and len(fr[12]) <= 20
-        and (len(fr[12]) == 1 or fr[12][0] != 48)
-    ):
-        f_kv_item_len = int(fr[12])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister["kv_item_len"])
+    f_gpu_id = _fe.read_int(fr[9], 0, 4294967295, _W_NixlRegister, "gpu_id")
+    f_attn_tp_size = _fe.read_int(fr[10], 0, 4294967295, _W_NixlRegister, "attn_tp_size")
+    f_engine_rank = _fe.read_int(fr[11], 0, 4294967295, _W_NixlRegister, "engine_rank")
+    f_kv_item_len = _fe.read_int(fr[12], 0, 18446744073709551615, _W_NixlRegister, "kv_item_len")
     f_flat_state_item_lens = (
-        (_fe.dec_array(fr[13], _fe.NATIVE_U32, _W_NixlRegister["flat_state_item_lens"]))
+        _fe.dec_array(fr[13], _fe.NATIVE_U32, _W_NixlRegister["flat_state_item_lens"])
         if n > 13
         else _EMPTY_U32
     )
     f_flat_state_dim_per_tensor = (
-        (_fe.dec_array(fr[14], _fe.NATIVE_U32, _W_NixlRegister["flat_state_dim_per_tensor"]))
+        _fe.dec_array(fr[14], _fe.NATIVE_U32, _W_NixlRegister["flat_state_dim_per_tensor"])
         if n > 14
         else _EMPTY_U32
     )
-    f_staging_base_ptr = (_fe.dec_u64_opt(fr[15], _W_NixlRegister["staging_base_ptr"])) if n > 15 else None
-    if n > 16:
-        if not fr[16]:
-            f_staging_total_size = None
-        else:
-            if (
-                type(fr[16]) is bytes
-                and fr[16].isdigit()
-                and len(fr[16]) <= 20
-                and (len(fr[16]) == 1 or fr[16][0] != 48)
-            ):
-                f_staging_total_size = int(fr[16])
-                if f_staging_total_size > 18446744073709551615:
-                    f_staging_total_size = _fe.dec_int_opt(
-                        fr[16], 0, 18446744073709551615, _W_NixlRegister["staging_total_size"]
-                    )
-            else:
-                f_staging_total_size = _fe.dec_int_opt(
-                    fr[16], 0, 18446744073709551615, _W_NixlRegister["staging_total_size"]
-                )
-    else:
-        f_staging_total_size = None
-    if n > 17:
-        if (
-            type(fr[17]) is bytes
-            and fr[17].isdigit()
-            and len(fr[17]) <= 20
-            and (len(fr[17]) == 1 or fr[17][0] != 48)
-        ):
-            f_num_slots = int(fr[17])
-            if f_num_slots > 18446744073709551615:
-                f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister["num_slots"])
-        else:
-            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister["num_slots"])
-    else:
-        f_num_slots = 0
+    f_staging_base_ptr = _fe.dec_u64_opt(fr[15], _W_NixlRegister["staging_base_ptr"]) if n > 15 else None
+    f_staging_total_size = (
+        _fe.read_int_or(fr[16], 0, 18446744073709551615, None, _W_NixlRegister, "staging_total_size")
+        if n > 16
+        else None
+    )
+    f_num_slots = _fe.read_int(fr[17], 0, 18446744073709551615, _W_NixlRegister, "num_slots") if n > 17 else 0
     m = NixlRegister(
         local_ip=f_local_ip,
         rank_port=f_rank_port,
@@ -954,8 +797,8 @@ _SPEC_NixlRegister = _pc.MessageSpec(
     min_frames=13,
     max_frames=18,
     consts=(
-        (0, "NixlMsgGuard".encode("ascii")),
-        (1, "None".encode("ascii")),
+        (0, b"NixlMsgGuard"),
+        (1, b"None"),
     ),
     match=(),
     decode=_dec_NixlRegister,
@@ -1082,66 +925,25 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
         raise err
     if fr[0] != b"NixlMsgGuard":
         _fe.expect_const(fr[0], b"NixlMsgGuard", _W_NixlTransferInfo["guard"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo, "room")
     try:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlTransferInfo["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_NixlTransferInfo, "rank_port")
     try:
         f_agent_name = str(fr[4], "ascii")
     except UnicodeDecodeError:
         f_agent_name = _fe.dec_ascii(fr[4], _W_NixlTransferInfo["agent_name"])
     f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo["kv_indices"])
-    if type(fr[6]) is bytes and fr[6].isdigit() and len(fr[6]) <= 19 and (len(fr[6]) == 1 or fr[6][0] != 48):
-        f_aux_index = int(fr[6])
-        if f_aux_index > 9223372036854775807:
-            f_aux_index = _fe.dec_int(
-                fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo["aux_index"]
-            )
-    else:
-        f_aux_index = _fe.dec_int(
-            fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo["aux_index"]
-        )
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_required_dst_info_num = int(fr[7])
-        if f_required_dst_info_num > 4294967295:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[7], 0, 4294967295, _W_NixlTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = _fe.dec_int(
-            fr[7], 0, 4294967295, _W_NixlTransferInfo["required_dst_info_num"]
-        )
+    f_aux_index = _fe.read_int(
+        fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo, "aux_index"
+    )
+    f_required_dst_info_num = _fe.read_int(fr[7], 0, 4294967295, _W_NixlTransferInfo, "required_dst_info_num")
     f_flat_state_indices = _fe.dec_array(fr[8], _fe.NATIVE_I32, _W_NixlTransferInfo["flat_state_indices"])
-    if n > 9:
-        if (
-            type(fr[9]) is bytes
-            and fr[9].isdigit()
-            and len(fr[9]) <= 20
-            and (len(fr[9]) == 1 or fr[9][0] != 48)
-        ):
-            f_decode_prefix_len = int(fr[9])
-            if f_decode_prefix_len > 18446744073709551615:
-                f_decode_prefix_len = _fe.dec_int(
-                    fr[9], 0, 18446744073709551615, _W_NixlTransferInfo["decode_prefix_len"]
-                )
-        else:
-            f_decode_prefix_len = _fe.dec_int(
-                fr[9], 0, 18446744073709551615, _W_NixlTransferInfo["decode_prefix_len"]
-            )
-    else:
-        f_decode_prefix_len = 0
+    f_decode_prefix_len = (
+        _fe.read_int(fr[9], 0, 18446744073709551615, _W_NixlTransferInfo, "decode_prefix_len") if n > 9 else 0
+    )
     m = NixlTransferInfo(
         room=f_room,
         local_ip=f_local_ip,
@@ -1157,7 +959,7 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
 
 
 def _rec_NixlTransferInfo(fr: list[bytes]) -> bool:
-    return fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)
+    return fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)
 
 
 _SPEC_NixlTransferInfo = _pc.MessageSpec(
@@ -1166,7 +968,7 @@ _SPEC_NixlTransferInfo = _pc.MessageSpec(
     cls=NixlTransferInfo,
     min_frames=9,
     max_frames=10,
-    consts=((0, "NixlMsgGuard".encode("ascii")),),
+    consts=((0, b"NixlMsgGuard"),),
     match=((1, "dec"),),
     decode=_dec_NixlTransferInfo,
     encode=_enc_NixlTransferInfo,
@@ -1303,50 +1105,15 @@ def _dec_MoriRegister(fr: list[_fe.Buf]) -> MoriRegister:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriRegister["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_MoriRegister, "rank_port")
     f_engine_desc = bytes(fr[4])
     f_kv_mem_descs = _fe.dec_blobs(fr[5], _W_MoriRegister["kv_mem_descs"])
     f_aux_mem_descs = _fe.dec_blobs(fr[6], _W_MoriRegister["aux_mem_descs"])
     f_flat_state_mem_descs = _fe.dec_blobs(fr[7], _W_MoriRegister["flat_state_mem_descs"])
-    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
-        f_gpu_id = int(fr[8])
-        if f_gpu_id > 4294967295:
-            f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister["gpu_id"])
-    else:
-        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister["gpu_id"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_attn_tp_size = int(fr[9])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister["attn_tp_size"])
-    if (
-        type(fr[10]) is bytes
-        and fr[10].isdigit()
-        and len(fr[10]) <= 10
-        and (len(fr[10]) == 1 or fr[10][0] != 48)
-    ):
-        f_engine_rank = int(fr[10])
-        if f_engine_rank > 4294967295:
-            f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister["engine_rank"])
-    else:
-        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister["engine_rank"])
-    if (
-        type(fr[11]) is bytes
-        and fr[11].isdigit()
-        and len(fr[11]) <= 20
-        and (len(fr[11]) == 1 or fr[11][0] != 48)
-    ):
-        f_kv_item_len = int(fr[11])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister["kv_item_len"])
+    f_gpu_id = _fe.read_int(fr[8], 0, 4294967295, _W_MoriRegister, "gpu_id")
+    f_attn_tp_size = _fe.read_int(fr[9], 0, 4294967295, _W_MoriRegister, "attn_tp_size")
+    f_engine_rank = _fe.read_int(fr[10], 0, 4294967295, _W_MoriRegister, "engine_rank")
+    f_kv_item_len = _fe.read_int(fr[11], 0, 18446744073709551615, _W_MoriRegister, "kv_item_len")
     f_flat_state_item_lens = _fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MoriRegister["flat_state_item_lens"])
     f_flat_state_dim_per_tensor = _fe.dec_array(
         fr[13], _fe.NATIVE_U32, _W_MoriRegister["flat_state_dim_per_tensor"]
@@ -1379,8 +1146,8 @@ _SPEC_MoriRegister = _pc.MessageSpec(
     min_frames=14,
     max_frames=14,
     consts=(
-        (0, "MoriMsgGuard".encode("ascii")),
-        (1, "None".encode("ascii")),
+        (0, b"MoriMsgGuard"),
+        (1, b"None"),
     ),
     match=(),
     decode=_dec_MoriRegister,
@@ -1506,89 +1273,29 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
         raise err
     if fr[0] != b"MoriMsgGuard":
         _fe.expect_const(fr[0], b"MoriMsgGuard", _W_MoriTransferInfo["guard"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo, "room")
     try:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriTransferInfo["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_MoriTransferInfo, "rank_port")
     try:
         f_engine_key = str(fr[4], "ascii")
     except UnicodeDecodeError:
         f_engine_key = _fe.dec_ascii(fr[4], _W_MoriTransferInfo["engine_key"])
     f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo["kv_indices"])
-    if not fr[6]:
-        f_aux_index = None
-    else:
-        if (
-            type(fr[6]) is bytes
-            and fr[6].isdigit()
-            and len(fr[6]) <= 19
-            and (len(fr[6]) == 1 or fr[6][0] != 48)
-        ):
-            f_aux_index = int(fr[6])
-            if f_aux_index > 9223372036854775807:
-                f_aux_index = _fe.dec_int_opt(
-                    fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo["aux_index"]
-                )
-        else:
-            f_aux_index = _fe.dec_int_opt(
-                fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo["aux_index"]
-            )
+    f_aux_index = _fe.read_int_or(
+        fr[6], -9223372036854775808, 9223372036854775807, None, _W_MoriTransferInfo, "aux_index"
+    )
     f_flat_state_indices = _fe.dec_array(fr[7], _fe.NATIVE_I32, _W_MoriTransferInfo["flat_state_indices"])
-    if n > 8:
-        if (
-            type(fr[8]) is bytes
-            and fr[8].isdigit()
-            and len(fr[8]) <= 10
-            and (len(fr[8]) == 1 or fr[8][0] != 48)
-        ):
-            f_required_dst_info_num = int(fr[8])
-            if f_required_dst_info_num > 4294967295:
-                f_required_dst_info_num = _fe.dec_int(
-                    fr[8], 0, 4294967295, _W_MoriTransferInfo["required_dst_info_num"]
-                )
-        else:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[8], 0, 4294967295, _W_MoriTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = 1
-    if n > 9:
-        if not fr[9]:
-            f_decode_prefix_len = 0
-        else:
-            if (
-                type(fr[9]) is bytes
-                and fr[9].isdigit()
-                and len(fr[9]) <= 20
-                and (len(fr[9]) == 1 or fr[9][0] != 48)
-            ):
-                f_decode_prefix_len = int(fr[9])
-                if f_decode_prefix_len > 18446744073709551615:
-                    f_decode_prefix_len = _fe.dec_int_blank(
-                        fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                    )
-            else:
-                f_decode_prefix_len = _fe.dec_int_blank(
-                    fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                )
-            if f_decode_prefix_len == 0:
-                f_decode_prefix_len = _fe.dec_int_blank(
-                    fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                )
-    else:
-        f_decode_prefix_len = 0
+    f_required_dst_info_num = (
+        _fe.read_int(fr[8], 0, 4294967295, _W_MoriTransferInfo, "required_dst_info_num") if n > 8 else 1
+    )
+    f_decode_prefix_len = (
+        _fe.read_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo, "decode_prefix_len")
+        if n > 9
+        else 0
+    )
     m = MoriTransferInfo(
         room=f_room,
         local_ip=f_local_ip,
@@ -1604,8 +1311,8 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
 
 
 def _rec_MoriTransferInfo(fr: list[bytes]) -> bool:
-    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and not (
-        fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48)
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)) and not (
+        fr[2].isdigit() and len(fr[2]) <= 20 and (fr[2][0] != 48 or len(fr[2]) == 1)
     )
 
 
@@ -1615,7 +1322,7 @@ _SPEC_MoriTransferInfo = _pc.MessageSpec(
     cls=MoriTransferInfo,
     min_frames=8,
     max_frames=10,
-    consts=((0, "MoriMsgGuard".encode("ascii")),),
+    consts=((0, b"MoriMsgGuard"),),
     match=(
         (1, "dec"),
         (2, "not_dec"),
@@ -1693,21 +1400,11 @@ def _dec_MoriStatus(fr: list[_fe.Buf]) -> MoriStatus:
         raise err
     if fr[0] != b"MoriMsgGuard":
         _fe.expect_const(fr[0], b"MoriMsgGuard", _W_MoriStatus["guard"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriStatus["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_MoriStatus, "room")
     f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[2], KVPoll, _W_MoriStatus["status"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 10 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_prefill_rank = int(fr[3])
-        if f_prefill_rank > 4294967295:
-            f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus["prefill_rank"])
-    else:
-        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_MoriStatus["prefill_rank"])
+    f_prefill_rank = _fe.read_int(fr[3], 0, 4294967295, _W_MoriStatus, "prefill_rank")
     try:
         f_reason = str(fr[4], "utf-8") if fr[4] else None
     except UnicodeDecodeError:
@@ -1722,7 +1419,7 @@ def _dec_MoriStatus(fr: list[_fe.Buf]) -> MoriStatus:
 
 
 def _rec_MoriStatus(fr: list[bytes]) -> bool:
-    return fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48)
+    return fr[2].isdigit() and len(fr[2]) <= 20 and (fr[2][0] != 48 or len(fr[2]) == 1)
 
 
 _SPEC_MoriStatus = _pc.MessageSpec(
@@ -1731,7 +1428,7 @@ _SPEC_MoriStatus = _pc.MessageSpec(
     cls=MoriStatus,
     min_frames=5,
     max_frames=5,
-    consts=((0, "MoriMsgGuard".encode("ascii")),),
+    consts=((0, b"MoriMsgGuard"),),
     match=((2, "dec"),),
     decode=_dec_MoriStatus,
     encode=_enc_MoriStatus,

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from pdwire import wirecore as _wc
 from pdwire.protocols.sglang import rules as _rules
 from pdwire.wirecore import frame_encodings as _fe
 from pdwire.wirecore import positional_codec as _pc
@@ -26,6 +27,8 @@ from pdwire.wirecore.arrays import values_equal as _eq
 from pdwire.wirecore.profile_errors import Where as _Where
 
 from . import v1_0 as _v1_0
+
+_wc.require(3, __name__)
 
 VERSION = (2, 0)
 PROFILE = "sglang"
@@ -211,12 +214,7 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
         f_local_ip = str(fr[1], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeRegister["local_ip"])
-    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
-        f_rank_port = int(fr[2])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[2], 0, 65535, _W_MooncakeRegister, "rank_port")
     try:
         f_session_id = str(fr[3], "ascii")
     except UnicodeDecodeError:
@@ -224,101 +222,36 @@ def _dec_MooncakeRegister(fr: list[_fe.Buf]) -> MooncakeRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[4], _fe.NATIVE_U64, _W_MooncakeRegister["kv_data_ptrs"])
     f_aux_data_ptrs = _fe.dec_array(fr[5], _fe.NATIVE_U64, _W_MooncakeRegister["aux_data_ptrs"])
     f_state_data_ptrs = _fe.dec_lists(fr[6], _fe.LE_U64, _W_MooncakeRegister["state_data_ptrs"])
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_dst_tp_rank = int(fr[7])
-        if f_dst_tp_rank > 4294967295:
-            f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister["dst_tp_rank"])
-    else:
-        f_dst_tp_rank = _fe.dec_int(fr[7], 0, 4294967295, _W_MooncakeRegister["dst_tp_rank"])
-    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
-        f_attn_tp_size = int(fr[8])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[8], 0, 4294967295, _W_MooncakeRegister["attn_tp_size"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_kv_item_len = int(fr[9])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister["kv_item_len"])
+    f_dst_tp_rank = _fe.read_int(fr[7], 0, 4294967295, _W_MooncakeRegister, "dst_tp_rank")
+    f_attn_tp_size = _fe.read_int(fr[8], 0, 4294967295, _W_MooncakeRegister, "attn_tp_size")
+    f_kv_item_len = _fe.read_int(fr[9], 0, 18446744073709551615, _W_MooncakeRegister, "kv_item_len")
     f_state_item_lens = (
-        (_fe.dec_lists(fr[10], _fe.LE_U32, _W_MooncakeRegister["state_item_lens"])) if n > 10 else []
+        _fe.dec_lists(fr[10], _fe.LE_U32, _W_MooncakeRegister["state_item_lens"]) if n > 10 else []
     )
     f_state_dim_per_tensor = (
-        (_fe.dec_lists(fr[11], _fe.LE_U32, _W_MooncakeRegister["state_dim_per_tensor"])) if n > 11 else []
+        _fe.dec_lists(fr[11], _fe.LE_U32, _W_MooncakeRegister["state_dim_per_tensor"]) if n > 11 else []
     )
     f_kv_layer_ids = (
-        (_fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MooncakeRegister["kv_layer_ids"])) if n > 12 else _EMPTY_U32
+        _fe.dec_array(fr[12], _fe.NATIVE_U32, _W_MooncakeRegister["kv_layer_ids"]) if n > 12 else _EMPTY_U32
     )
     f_state_layer_ids = (
-        (_fe.dec_lists(fr[13], _fe.LE_U32, _W_MooncakeRegister["state_layer_ids"])) if n > 13 else []
+        _fe.dec_lists(fr[13], _fe.LE_U32, _W_MooncakeRegister["state_layer_ids"]) if n > 13 else []
     )
-    f_staging_base_ptr = (
-        (_fe.dec_u64_opt(fr[14], _W_MooncakeRegister["staging_base_ptr"])) if n > 14 else None
+    f_staging_base_ptr = _fe.dec_u64_opt(fr[14], _W_MooncakeRegister["staging_base_ptr"]) if n > 14 else None
+    f_staging_total_size = (
+        _fe.read_int_or(fr[15], 0, 18446744073709551615, None, _W_MooncakeRegister, "staging_total_size")
+        if n > 15
+        else None
     )
-    if n > 15:
-        if not fr[15]:
-            f_staging_total_size = None
-        else:
-            if (
-                type(fr[15]) is bytes
-                and fr[15].isdigit()
-                and len(fr[15]) <= 20
-                and (len(fr[15]) == 1 or fr[15][0] != 48)
-            ):
-                f_staging_total_size = int(fr[15])
-                if f_staging_total_size > 18446744073709551615:
-                    f_staging_total_size = _fe.dec_int_opt(
-                        fr[15], 0, 18446744073709551615, _W_MooncakeRegister["staging_total_size"]
-                    )
-            else:
-                f_staging_total_size = _fe.dec_int_opt(
-                    fr[15], 0, 18446744073709551615, _W_MooncakeRegister["staging_total_size"]
-                )
-    else:
-        f_staging_total_size = None
-    if n > 16:
-        if not fr[16]:
-            f_dcp_size = 1
-        else:
-            if (
-                type(fr[16]) is bytes
-                and fr[16].isdigit()
-                and len(fr[16]) <= 10
-                and (len(fr[16]) == 1 or fr[16][0] != 48)
-            ):
-                f_dcp_size = int(fr[16])
-                if f_dcp_size > 4294967295:
-                    f_dcp_size = _fe.dec_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister["dcp_size"])
-            else:
-                f_dcp_size = _fe.dec_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister["dcp_size"])
-    else:
-        f_dcp_size = 1
-    if n > 17:
-        if not fr[17]:
-            f_dcp_rank = 0
-        else:
-            if (
-                type(fr[17]) is bytes
-                and fr[17].isdigit()
-                and len(fr[17]) <= 10
-                and (len(fr[17]) == 1 or fr[17][0] != 48)
-            ):
-                f_dcp_rank = int(fr[17])
-                if f_dcp_rank > 4294967295:
-                    f_dcp_rank = _fe.dec_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister["dcp_rank"])
-            else:
-                f_dcp_rank = _fe.dec_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister["dcp_rank"])
-    else:
-        f_dcp_rank = 0
+    f_dcp_size = _fe.read_int_or(fr[16], 0, 4294967295, 1, _W_MooncakeRegister, "dcp_size") if n > 16 else 1
+    f_dcp_rank = _fe.read_int_or(fr[17], 0, 4294967295, 0, _W_MooncakeRegister, "dcp_rank") if n > 17 else 0
     f_staging_slot_layer_ids = (
-        (_fe.dec_array(fr[18], _fe.NATIVE_U64, _W_MooncakeRegister["staging_slot_layer_ids"]))
+        _fe.dec_array(fr[18], _fe.NATIVE_U64, _W_MooncakeRegister["staging_slot_layer_ids"])
         if n > 18
         else _EMPTY_U64
     )
     f_kv_item_lens = (
-        (_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_MooncakeRegister["kv_item_lens"])) if n > 19 else _EMPTY_U64
+        _fe.dec_array(fr[19], _fe.NATIVE_U64, _W_MooncakeRegister["kv_item_lens"]) if n > 19 else _EMPTY_U64
     )
     m = MooncakeRegister(
         local_ip=f_local_ip,
@@ -353,7 +286,7 @@ _SPEC_MooncakeRegister = _pc.MessageSpec(
     cls=MooncakeRegister,
     min_frames=10,
     max_frames=20,
-    consts=((0, "None".encode("ascii")),),
+    consts=((0, b"None"),),
     match=(),
     decode=_dec_MooncakeRegister,
     encode=_enc_MooncakeRegister,
@@ -483,76 +416,31 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
         err = _pc.count_error(PROFILE, _SPEC_MooncakeTransferInfo, n)
         assert err is not None
         raise err
-    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
-        f_room = int(fr[0])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo["room"])
+    f_room = _fe.read_int(fr[0], 0, 18446744073709551615, _W_MooncakeTransferInfo, "room")
     try:
         f_local_ip = str(fr[1], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[1], _W_MooncakeTransferInfo["local_ip"])
-    if type(fr[2]) is bytes and fr[2].isdigit() and len(fr[2]) <= 5 and (len(fr[2]) == 1 or fr[2][0] != 48):
-        f_rank_port = int(fr[2])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[2], 0, 65535, _W_MooncakeTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[2], 0, 65535, _W_MooncakeTransferInfo, "rank_port")
     try:
         f_session_id = str(fr[3], "ascii")
     except UnicodeDecodeError:
         f_session_id = _fe.dec_ascii(fr[3], _W_MooncakeTransferInfo["session_id"])
     f_kv_indices = _fe.dec_array(fr[4], _fe.NATIVE_I32, _W_MooncakeTransferInfo["kv_indices"])
-    if not fr[5]:
-        f_aux_index = None
-    else:
-        if (
-            type(fr[5]) is bytes
-            and fr[5].isdigit()
-            and len(fr[5]) <= 19
-            and (len(fr[5]) == 1 or fr[5][0] != 48)
-        ):
-            f_aux_index = int(fr[5])
-            if f_aux_index > 9223372036854775807:
-                f_aux_index = _fe.dec_int_opt(
-                    fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo["aux_index"]
-                )
-        else:
-            f_aux_index = _fe.dec_int_opt(
-                fr[5], -9223372036854775808, 9223372036854775807, _W_MooncakeTransferInfo["aux_index"]
-            )
+    f_aux_index = _fe.read_int_or(
+        fr[5], -9223372036854775808, 9223372036854775807, None, _W_MooncakeTransferInfo, "aux_index"
+    )
     f_state_indices = _fe.dec_lists(fr[6], _fe.LE_I32, _W_MooncakeTransferInfo["state_indices"])
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_required_dst_info_num = int(fr[7])
-        if f_required_dst_info_num > 4294967295:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[7], 0, 4294967295, _W_MooncakeTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = _fe.dec_int(
-            fr[7], 0, 4294967295, _W_MooncakeTransferInfo["required_dst_info_num"]
-        )
-    if n > 8:
-        if (
-            type(fr[8]) is bytes
-            and fr[8].isdigit()
-            and len(fr[8]) <= 20
-            and (len(fr[8]) == 1 or fr[8][0] != 48)
-        ):
-            f_decode_prefix_len = int(fr[8])
-            if f_decode_prefix_len > 18446744073709551615:
-                f_decode_prefix_len = _fe.dec_int(
-                    fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo["decode_prefix_len"]
-                )
-        else:
-            f_decode_prefix_len = _fe.dec_int(
-                fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo["decode_prefix_len"]
-            )
-    else:
-        f_decode_prefix_len = 0
+    f_required_dst_info_num = _fe.read_int(
+        fr[7], 0, 4294967295, _W_MooncakeTransferInfo, "required_dst_info_num"
+    )
+    f_decode_prefix_len = (
+        _fe.read_int(fr[8], 0, 18446744073709551615, _W_MooncakeTransferInfo, "decode_prefix_len")
+        if n > 8
+        else 0
+    )
     f_device_kv_indices = (
-        (_fe.dec_array(fr[9], _fe.NATIVE_I32, _W_MooncakeTransferInfo["device_kv_indices"]))
+        _fe.dec_array(fr[9], _fe.NATIVE_I32, _W_MooncakeTransferInfo["device_kv_indices"])
         if n > 9
         else _EMPTY_I32
     )
@@ -575,8 +463,8 @@ def _dec_MooncakeTransferInfo(fr: list[_fe.Buf]) -> MooncakeTransferInfo:
 
 
 def _rec_MooncakeTransferInfo(fr: list[bytes]) -> bool:
-    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and not (
-        fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (fr[0][0] != 48 or len(fr[0]) == 1)) and not (
+        fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)
     )
 
 
@@ -807,12 +695,7 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlRegister["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_NixlRegister, "rank_port")
     try:
         f_agent_name = str(fr[4], "ascii")
     except UnicodeDecodeError:
@@ -821,117 +704,31 @@ def _dec_NixlRegister(fr: list[_fe.Buf]) -> NixlRegister:
     f_kv_data_ptrs = _fe.dec_array(fr[6], _fe.NATIVE_U64, _W_NixlRegister["kv_data_ptrs"])
     f_aux_data_ptrs = _fe.dec_array(fr[7], _fe.NATIVE_U64, _W_NixlRegister["aux_data_ptrs"])
     f_state_data_ptrs = _fe.dec_lists(fr[8], _fe.LE_U64, _W_NixlRegister["state_data_ptrs"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_gpu_id = int(fr[9])
-        if f_gpu_id > 4294967295:
-            f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister["gpu_id"])
-    else:
-        f_gpu_id = _fe.dec_int(fr[9], 0, 4294967295, _W_NixlRegister["gpu_id"])
-    if (
-        type(fr[10]) is bytes
-        and fr[10].isdigit()
-        and len(fr[10]) <= 10
-        and (len(fr[10]) == 1 or fr[10][0] != 48)
-    ):
-        f_attn_tp_size = int(fr[10])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[10], 0, 4294967295, _W_NixlRegister["attn_tp_size"])
-    if (
-        type(fr[11]) is bytes
-        and fr[11].isdigit()
-        and len(fr[11]) <= 10
-        and (len(fr[11]) == 1 or fr[11][0] != 48)
-    ):
-        f_engine_rank = int(fr[11])
-        if f_engine_rank > 4294967295:
-            f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister["engine_rank"])
-    else:
-        f_engine_rank = _fe.dec_int(fr[11], 0, 4294967295, _W_NixlRegister["engine_rank"])
-    if (
-        type(fr[12]) is bytes
-        and fr[12].isdigit()
-        and len(fr[12]) <= 20
-        and (len(fr[12]) == 1 or fr[12][0] != 48)
-    ):
-        f_kv_item_len = int(fr[12])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[12], 0, 18446744073709551615, _W_NixlRegister["kv_item_len"])
+    f_gpu_id = _fe.read_int(fr[9], 0, 4294967295, _W_NixlRegister, "gpu_id")
+    f_attn_tp_size = _fe.read_int(fr[10], 0, 4294967295, _W_NixlRegister, "attn_tp_size")
+    f_engine_rank = _fe.read_int(fr[11], 0, 4294967295, _W_NixlRegister, "engine_rank")
+    f_kv_item_len = _fe.read_int(fr[12], 0, 18446744073709551615, _W_NixlRegister, "kv_item_len")
     f_state_item_lens = _fe.dec_lists(fr[13], _fe.LE_U32, _W_NixlRegister["state_item_lens"])
     f_state_dim_per_tensor = _fe.dec_lists(fr[14], _fe.LE_U32, _W_NixlRegister["state_dim_per_tensor"])
     f_staging_base_ptr = _fe.dec_u64_opt(fr[15], _W_NixlRegister["staging_base_ptr"])
-    if not fr[16]:
-        f_staging_total_size = None
-    else:
-        if (
-            type(fr[16]) is bytes
-            and fr[16].isdigit()
-            and len(fr[16]) <= 20
-            and (len(fr[16]) == 1 or fr[16][0] != 48)
-        ):
-            f_staging_total_size = int(fr[16])
-            if f_staging_total_size > 18446744073709551615:
-                f_staging_total_size = _fe.dec_int_opt(
-                    fr[16], 0, 18446744073709551615, _W_NixlRegister["staging_total_size"]
-                )
-        else:
-            f_staging_total_size = _fe.dec_int_opt(
-                fr[16], 0, 18446744073709551615, _W_NixlRegister["staging_total_size"]
-            )
-    if (
-        type(fr[17]) is bytes
-        and fr[17].isdigit()
-        and len(fr[17]) <= 20
-        and (len(fr[17]) == 1 or fr[17][0] != 48)
-    ):
-        f_num_slots = int(fr[17])
-        if f_num_slots > 18446744073709551615:
-            f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister["num_slots"])
-    else:
-        f_num_slots = _fe.dec_int(fr[17], 0, 18446744073709551615, _W_NixlRegister["num_slots"])
+    f_staging_total_size = _fe.read_int_or(
+        fr[16], 0, 18446744073709551615, None, _W_NixlRegister, "staging_total_size"
+    )
+    f_num_slots = _fe.read_int(fr[17], 0, 18446744073709551615, _W_NixlRegister, "num_slots")
     f_kv_mem_kinds = _fe.dec_csv(fr[18], _W_NixlRegister["kv_mem_kinds"])
     f_kv_item_lens = (
-        (_fe.dec_array(fr[19], _fe.NATIVE_U64, _W_NixlRegister["kv_item_lens"])) if n > 19 else _EMPTY_U64
+        _fe.dec_array(fr[19], _fe.NATIVE_U64, _W_NixlRegister["kv_item_lens"]) if n > 19 else _EMPTY_U64
     )
     f_state_layer_ids = (
-        (_fe.dec_lists(fr[20], _fe.LE_U32, _W_NixlRegister["state_layer_ids"])) if n > 20 else []
+        _fe.dec_lists(fr[20], _fe.LE_U32, _W_NixlRegister["state_layer_ids"]) if n > 20 else []
     )
     f_kv_layer_ids = (
-        (_fe.dec_array(fr[21], _fe.NATIVE_U32, _W_NixlRegister["kv_layer_ids"])) if n > 21 else _EMPTY_U32
+        _fe.dec_array(fr[21], _fe.NATIVE_U32, _W_NixlRegister["kv_layer_ids"]) if n > 21 else _EMPTY_U32
     )
-    if n > 22:
-        if (
-            type(fr[22]) is bytes
-            and fr[22].isdigit()
-            and len(fr[22]) <= 10
-            and (len(fr[22]) == 1 or fr[22][0] != 48)
-        ):
-            f_dcp_size = int(fr[22])
-            if f_dcp_size > 4294967295:
-                f_dcp_size = _fe.dec_int(fr[22], 0, 4294967295, _W_NixlRegister["dcp_size"])
-        else:
-            f_dcp_size = _fe.dec_int(fr[22], 0, 4294967295, _W_NixlRegister["dcp_size"])
-    else:
-        f_dcp_size = 1
-    if n > 23:
-        if (
-            type(fr[23]) is bytes
-            and fr[23].isdigit()
-            and len(fr[23]) <= 10
-            and (len(fr[23]) == 1 or fr[23][0] != 48)
-        ):
-            f_dcp_rank = int(fr[23])
-            if f_dcp_rank > 4294967295:
-                f_dcp_rank = _fe.dec_int(fr[23], 0, 4294967295, _W_NixlRegister["dcp_rank"])
-        else:
-            f_dcp_rank = _fe.dec_int(fr[23], 0, 4294967295, _W_NixlRegister["dcp_rank"])
-    else:
-        f_dcp_rank = 0
+    f_dcp_size = _fe.read_int(fr[22], 0, 4294967295, _W_NixlRegister, "dcp_size") if n > 22 else 1
+    f_dcp_rank = _fe.read_int(fr[23], 0, 4294967295, _W_NixlRegister, "dcp_rank") if n > 23 else 0
     f_state_data_lens = (
-        (_fe.dec_lists(fr[24], _fe.LE_U64, _W_NixlRegister["state_data_lens"])) if n > 24 else []
+        _fe.dec_lists(fr[24], _fe.LE_U64, _W_NixlRegister["state_data_lens"]) if n > 24 else []
     )
     m = NixlRegister(
         local_ip=f_local_ip,
@@ -975,8 +772,8 @@ _SPEC_NixlRegister = _pc.MessageSpec(
     min_frames=19,
     max_frames=25,
     consts=(
-        (0, "NixlMsgGuard".encode("ascii")),
-        (1, "None".encode("ascii")),
+        (0, b"NixlMsgGuard"),
+        (1, b"None"),
     ),
     match=(),
     decode=_dec_NixlRegister,
@@ -1114,58 +911,25 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
         raise err
     if fr[0] != b"NixlMsgGuard":
         _fe.expect_const(fr[0], b"NixlMsgGuard", _W_NixlTransferInfo["guard"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_NixlTransferInfo, "room")
     try:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_NixlTransferInfo["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_NixlTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_NixlTransferInfo, "rank_port")
     try:
         f_agent_name = str(fr[4], "ascii")
     except UnicodeDecodeError:
         f_agent_name = _fe.dec_ascii(fr[4], _W_NixlTransferInfo["agent_name"])
     f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_NixlTransferInfo["kv_indices"])
-    if type(fr[6]) is bytes and fr[6].isdigit() and len(fr[6]) <= 19 and (len(fr[6]) == 1 or fr[6][0] != 48):
-        f_aux_index = int(fr[6])
-        if f_aux_index > 9223372036854775807:
-            f_aux_index = _fe.dec_int(
-                fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo["aux_index"]
-            )
-    else:
-        f_aux_index = _fe.dec_int(
-            fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo["aux_index"]
-        )
-    if type(fr[7]) is bytes and fr[7].isdigit() and len(fr[7]) <= 10 and (len(fr[7]) == 1 or fr[7][0] != 48):
-        f_required_dst_info_num = int(fr[7])
-        if f_required_dst_info_num > 4294967295:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[7], 0, 4294967295, _W_NixlTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = _fe.dec_int(
-            fr[7], 0, 4294967295, _W_NixlTransferInfo["required_dst_info_num"]
-        )
+    f_aux_index = _fe.read_int(
+        fr[6], -9223372036854775808, 9223372036854775807, _W_NixlTransferInfo, "aux_index"
+    )
+    f_required_dst_info_num = _fe.read_int(fr[7], 0, 4294967295, _W_NixlTransferInfo, "required_dst_info_num")
     f_state_indices = _fe.dec_lists(fr[8], _fe.LE_I32, _W_NixlTransferInfo["state_indices"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 20 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_decode_prefix_len = int(fr[9])
-        if f_decode_prefix_len > 18446744073709551615:
-            f_decode_prefix_len = _fe.dec_int(
-                fr[9], 0, 18446744073709551615, _W_NixlTransferInfo["decode_prefix_len"]
-            )
-    else:
-        f_decode_prefix_len = _fe.dec_int(
-            fr[9], 0, 18446744073709551615, _W_NixlTransferInfo["decode_prefix_len"]
-        )
+    f_decode_prefix_len = _fe.read_int(
+        fr[9], 0, 18446744073709551615, _W_NixlTransferInfo, "decode_prefix_len"
+    )
     f_is_dummy_rank = (
         (
             None
@@ -1195,7 +959,7 @@ def _dec_NixlTransferInfo(fr: list[_fe.Buf]) -> NixlTransferInfo:
 
 
 def _rec_NixlTransferInfo(fr: list[bytes]) -> bool:
-    return fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)
+    return fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)
 
 
 _SPEC_NixlTransferInfo = _pc.MessageSpec(
@@ -1204,7 +968,7 @@ _SPEC_NixlTransferInfo = _pc.MessageSpec(
     cls=NixlTransferInfo,
     min_frames=10,
     max_frames=11,
-    consts=((0, "NixlMsgGuard".encode("ascii")),),
+    consts=((0, b"NixlMsgGuard"),),
     match=((1, "dec"),),
     decode=_dec_NixlTransferInfo,
     encode=_enc_NixlTransferInfo,
@@ -1280,21 +1044,11 @@ def _dec_NixlStatus(fr: list[_fe.Buf]) -> NixlStatus:
         raise err
     if fr[0] != b"KV_STATUS":
         _fe.expect_const(fr[0], b"KV_STATUS", _W_NixlStatus["tag"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlStatus["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_NixlStatus["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_NixlStatus, "room")
     f_status = _T_KVPoll.get(fr[2]) if type(fr[2]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[2], KVPoll, _W_NixlStatus["status"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 10 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_prefill_rank = int(fr[3])
-        if f_prefill_rank > 4294967295:
-            f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_NixlStatus["prefill_rank"])
-    else:
-        f_prefill_rank = _fe.dec_int(fr[3], 0, 4294967295, _W_NixlStatus["prefill_rank"])
+    f_prefill_rank = _fe.read_int(fr[3], 0, 4294967295, _W_NixlStatus, "prefill_rank")
     try:
         f_reason = str(fr[4], "utf-8") if fr[4] else None
     except UnicodeDecodeError:
@@ -1314,7 +1068,7 @@ _SPEC_NixlStatus = _pc.MessageSpec(
     cls=NixlStatus,
     min_frames=5,
     max_frames=5,
-    consts=((0, "KV_STATUS".encode("ascii")),),
+    consts=((0, b"KV_STATUS"),),
     match=(),
     decode=_dec_NixlStatus,
     encode=_enc_NixlStatus,
@@ -1475,74 +1229,19 @@ def _dec_MoriRegister(fr: list[_fe.Buf]) -> MoriRegister:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriRegister["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriRegister["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_MoriRegister, "rank_port")
     f_engine_desc = bytes(fr[4])
     f_kv_mem_descs = _fe.dec_blobs(fr[5], _W_MoriRegister["kv_mem_descs"])
     f_aux_mem_descs = _fe.dec_blobs(fr[6], _W_MoriRegister["aux_mem_descs"])
     f_state_mem_descs = _fe.dec_blob_lists(fr[7], _W_MoriRegister["state_mem_descs"])
-    if type(fr[8]) is bytes and fr[8].isdigit() and len(fr[8]) <= 10 and (len(fr[8]) == 1 or fr[8][0] != 48):
-        f_gpu_id = int(fr[8])
-        if f_gpu_id > 4294967295:
-            f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister["gpu_id"])
-    else:
-        f_gpu_id = _fe.dec_int(fr[8], 0, 4294967295, _W_MoriRegister["gpu_id"])
-    if type(fr[9]) is bytes and fr[9].isdigit() and len(fr[9]) <= 10 and (len(fr[9]) == 1 or fr[9][0] != 48):
-        f_attn_tp_size = int(fr[9])
-        if f_attn_tp_size > 4294967295:
-            f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister["attn_tp_size"])
-    else:
-        f_attn_tp_size = _fe.dec_int(fr[9], 0, 4294967295, _W_MoriRegister["attn_tp_size"])
-    if (
-        type(fr[10]) is bytes
-        and fr[10].isdigit()
-        and len(fr[10]) <= 10
-        and (len(fr[10]) == 1 or fr[10][0] != 48)
-    ):
-        f_engine_rank = int(fr[10])
-        if f_engine_rank > 4294967295:
-            f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister["engine_rank"])
-    else:
-        f_engine_rank = _fe.dec_int(fr[10], 0, 4294967295, _W_MoriRegister["engine_rank"])
-    if (
-        type(fr[11]) is bytes
-        and fr[11].isdigit()
-        and len(fr[11]) <= 20
-        and (len(fr[11]) == 1 or fr[11][0] != 48)
-    ):
-        f_kv_item_len = int(fr[11])
-        if f_kv_item_len > 18446744073709551615:
-            f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister["kv_item_len"])
-    else:
-        f_kv_item_len = _fe.dec_int(fr[11], 0, 18446744073709551615, _W_MoriRegister["kv_item_len"])
+    f_gpu_id = _fe.read_int(fr[8], 0, 4294967295, _W_MoriRegister, "gpu_id")
+    f_attn_tp_size = _fe.read_int(fr[9], 0, 4294967295, _W_MoriRegister, "attn_tp_size")
+    f_engine_rank = _fe.read_int(fr[10], 0, 4294967295, _W_MoriRegister, "engine_rank")
+    f_kv_item_len = _fe.read_int(fr[11], 0, 18446744073709551615, _W_MoriRegister, "kv_item_len")
     f_state_item_lens = _fe.dec_lists(fr[12], _fe.LE_U32, _W_MoriRegister["state_item_lens"])
     f_state_dim_per_tensor = _fe.dec_lists(fr[13], _fe.LE_U32, _W_MoriRegister["state_dim_per_tensor"])
-    if (
-        type(fr[14]) is bytes
-        and fr[14].isdigit()
-        and len(fr[14]) <= 10
-        and (len(fr[14]) == 1 or fr[14][0] != 48)
-    ):
-        f_dcp_size = int(fr[14])
-        if f_dcp_size > 4294967295:
-            f_dcp_size = _fe.dec_int(fr[14], 0, 4294967295, _W_MoriRegister["dcp_size"])
-    else:
-        f_dcp_size = _fe.dec_int(fr[14], 0, 4294967295, _W_MoriRegister["dcp_size"])
-    if (
-        type(fr[15]) is bytes
-        and fr[15].isdigit()
-        and len(fr[15]) <= 10
-        and (len(fr[15]) == 1 or fr[15][0] != 48)
-    ):
-        f_dcp_rank = int(fr[15])
-        if f_dcp_rank > 4294967295:
-            f_dcp_rank = _fe.dec_int(fr[15], 0, 4294967295, _W_MoriRegister["dcp_rank"])
-    else:
-        f_dcp_rank = _fe.dec_int(fr[15], 0, 4294967295, _W_MoriRegister["dcp_rank"])
+    f_dcp_size = _fe.read_int(fr[14], 0, 4294967295, _W_MoriRegister, "dcp_size")
+    f_dcp_rank = _fe.read_int(fr[15], 0, 4294967295, _W_MoriRegister, "dcp_rank")
     f_state_layer_ids = _fe.dec_lists(fr[16], _fe.LE_U32, _W_MoriRegister["state_layer_ids"])
     f_kv_layer_ids = _fe.dec_array(fr[17], _fe.LE_U32, _W_MoriRegister["kv_layer_ids"])
     m = MoriRegister(
@@ -1577,8 +1276,8 @@ _SPEC_MoriRegister = _pc.MessageSpec(
     min_frames=18,
     max_frames=18,
     consts=(
-        (0, "MoriMsgGuard".encode("ascii")),
-        (1, "None".encode("ascii")),
+        (0, b"MoriMsgGuard"),
+        (1, b"None"),
     ),
     match=(),
     decode=_dec_MoriRegister,
@@ -1704,89 +1403,29 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
         raise err
     if fr[0] != b"MoriMsgGuard":
         _fe.expect_const(fr[0], b"MoriMsgGuard", _W_MoriTransferInfo["guard"])
-    if type(fr[1]) is bytes and fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48):
-        f_room = int(fr[1])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo["room"])
-    else:
-        f_room = _fe.dec_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo["room"])
+    f_room = _fe.read_int(fr[1], 0, 18446744073709551615, _W_MoriTransferInfo, "room")
     try:
         f_local_ip = str(fr[2], "ascii")
     except UnicodeDecodeError:
         f_local_ip = _fe.dec_ascii(fr[2], _W_MoriTransferInfo["local_ip"])
-    if type(fr[3]) is bytes and fr[3].isdigit() and len(fr[3]) <= 5 and (len(fr[3]) == 1 or fr[3][0] != 48):
-        f_rank_port = int(fr[3])
-        if f_rank_port > 65535:
-            f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo["rank_port"])
-    else:
-        f_rank_port = _fe.dec_int(fr[3], 0, 65535, _W_MoriTransferInfo["rank_port"])
+    f_rank_port = _fe.read_int(fr[3], 0, 65535, _W_MoriTransferInfo, "rank_port")
     try:
         f_engine_key = str(fr[4], "ascii")
     except UnicodeDecodeError:
         f_engine_key = _fe.dec_ascii(fr[4], _W_MoriTransferInfo["engine_key"])
     f_kv_indices = _fe.dec_array(fr[5], _fe.NATIVE_I32, _W_MoriTransferInfo["kv_indices"])
-    if not fr[6]:
-        f_aux_index = None
-    else:
-        if (
-            type(fr[6]) is bytes
-            and fr[6].isdigit()
-            and len(fr[6]) <= 19
-            and (len(fr[6]) == 1 or fr[6][0] != 48)
-        ):
-            f_aux_index = int(fr[6])
-            if f_aux_index > 9223372036854775807:
-                f_aux_index = _fe.dec_int_opt(
-                    fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo["aux_index"]
-                )
-        else:
-            f_aux_index = _fe.dec_int_opt(
-                fr[6], -9223372036854775808, 9223372036854775807, _W_MoriTransferInfo["aux_index"]
-            )
+    f_aux_index = _fe.read_int_or(
+        fr[6], -9223372036854775808, 9223372036854775807, None, _W_MoriTransferInfo, "aux_index"
+    )
     f_state_indices = _fe.dec_lists(fr[7], _fe.LE_I32, _W_MoriTransferInfo["state_indices"])
-    if n > 8:
-        if (
-            type(fr[8]) is bytes
-            and fr[8].isdigit()
-            and len(fr[8]) <= 10
-            and (len(fr[8]) == 1 or fr[8][0] != 48)
-        ):
-            f_required_dst_info_num = int(fr[8])
-            if f_required_dst_info_num > 4294967295:
-                f_required_dst_info_num = _fe.dec_int(
-                    fr[8], 0, 4294967295, _W_MoriTransferInfo["required_dst_info_num"]
-                )
-        else:
-            f_required_dst_info_num = _fe.dec_int(
-                fr[8], 0, 4294967295, _W_MoriTransferInfo["required_dst_info_num"]
-            )
-    else:
-        f_required_dst_info_num = 1
-    if n > 9:
-        if not fr[9]:
-            f_decode_prefix_len = 0
-        else:
-            if (
-                type(fr[9]) is bytes
-                and fr[9].isdigit()
-                and len(fr[9]) <= 20
-                and (len(fr[9]) == 1 or fr[9][0] != 48)
-            ):
-                f_decode_prefix_len = int(fr[9])
-                if f_decode_prefix_len > 18446744073709551615:
-                    f_decode_prefix_len = _fe.dec_int_blank(
-                        fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                    )
-            else:
-                f_decode_prefix_len = _fe.dec_int_blank(
-                    fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                )
-            if f_decode_prefix_len == 0:
-                f_decode_prefix_len = _fe.dec_int_blank(
-                    fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo["decode_prefix_len"]
-                )
-    else:
-        f_decode_prefix_len = 0
+    f_required_dst_info_num = (
+        _fe.read_int(fr[8], 0, 4294967295, _W_MoriTransferInfo, "required_dst_info_num") if n > 8 else 1
+    )
+    f_decode_prefix_len = (
+        _fe.read_int_blank(fr[9], 0, 18446744073709551615, 0, _W_MoriTransferInfo, "decode_prefix_len")
+        if n > 9
+        else 0
+    )
     m = MoriTransferInfo(
         room=f_room,
         local_ip=f_local_ip,
@@ -1802,8 +1441,8 @@ def _dec_MoriTransferInfo(fr: list[_fe.Buf]) -> MoriTransferInfo:
 
 
 def _rec_MoriTransferInfo(fr: list[bytes]) -> bool:
-    return (fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)) and not (
-        fr[2].isdigit() and len(fr[2]) <= 20 and (len(fr[2]) == 1 or fr[2][0] != 48)
+    return (fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)) and not (
+        fr[2].isdigit() and len(fr[2]) <= 20 and (fr[2][0] != 48 or len(fr[2]) == 1)
     )
 
 
@@ -1813,7 +1452,7 @@ _SPEC_MoriTransferInfo = _pc.MessageSpec(
     cls=MoriTransferInfo,
     min_frames=8,
     max_frames=10,
-    consts=((0, "MoriMsgGuard".encode("ascii")),),
+    consts=((0, b"MoriMsgGuard"),),
     match=(
         (1, "dec"),
         (2, "not_dec"),

@@ -14,8 +14,9 @@ runtime-version check). Bump :data:`API_VERSION` with any change generated code 
 
 from __future__ import annotations
 
-API_VERSION = 2
-"""The contract between generated code and this library."""
+API_VERSION = 3
+"""The contract between generated code and this library (3: positional decoders read ASCII
+decimals with ``frame_encodings.read_int*``)."""
 
 
 def require(version: int, module: str) -> None:

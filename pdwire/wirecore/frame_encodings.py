@@ -2,8 +2,10 @@
 
 Generated positional codecs call one ``enc_*``/``dec_*`` pair per frame, passing a
 :class:`~.profile_errors.Where` that names the backend, message, field and frame; every
-failure is raised as that location's typed error. Each pair is a bijection between the
-typed values and the frames SGLang's builders produce, so decode -> encode is byte-exact.
+failure is raised as that location's typed error. ASCII decimals are read with
+:func:`read_int` (and its ``_or``/``_blank`` forms), the common case of :func:`dec_int`. Each
+pair is a bijection between the typed values and the frames SGLang's builders produce, so
+decode -> encode is byte-exact.
 Spellings a lenient Python parser would also take but no builder writes (``" 5"``, ``"05"``,
 ``"+5"``, trailing bytes after a ``pack_int_lists`` payload, a msgpack array where the
 builder writes ``b""``) are refused instead of normalised: they would not round-trip and
@@ -29,7 +31,7 @@ Encodings (the schema's ``encoding:`` names, see ``codegen/positional.py``):
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -42,6 +44,7 @@ from .profile_errors import ProfileDecodeError, Where
 
 Buf = bytes | bytearray | memoryview
 E = TypeVar("E", bound=IntEnum)
+D = TypeVar("D", int, None)
 
 NATIVE_U64 = np.dtype("=u8")
 NATIVE_U32 = np.dtype("=u4")
@@ -186,6 +189,45 @@ def enc_int_blank(v: object, lo: int, hi: int, default: int, w: Where) -> bytes:
 
 def enc_int_opt(v: object, lo: int, hi: int, w: Where) -> bytes:
     return b"" if v is None else enc_int(v, lo, hi, w)
+
+
+# The generated decoders read every ASCII-decimal frame with one of these three calls (one
+# decimal parse for the whole profile instead of a copy per field). The common case, a canonical
+# non-negative decimal in a bytes frame, is read here with int(); anything else (a sign, another
+# spelling, a value out of range, a memoryview or bytearray frame) goes to the checked function,
+# which accepts exactly the same values and raises the error naming ``where[field]``. ``where``
+# and ``field`` are passed apart so the common case never looks the location up, and only the
+# upper bound is compared there: every integer type's lower bound is 0 or negative, so a value
+# read from digits alone is never below it.
+def read_int(buf: Buf, lo: int, hi: int, where: Mapping[str, Where], field: str) -> int:
+    """:func:`dec_int` of frame ``field``."""
+    if type(buf) is bytes and buf.isdigit() and (buf[0] != 48 or len(buf) == 1) and len(buf) <= _MAX_DIGITS:
+        value = int(buf)
+        if value <= hi:
+            return value
+    return dec_int(buf, lo, hi, where[field])
+
+
+def read_int_or(buf: Buf, lo: int, hi: int, default: D, where: Mapping[str, Where], field: str) -> int | D:
+    """:func:`dec_int_or` (``default=None``: :func:`dec_int_opt`) of frame ``field``."""
+    if not buf:
+        return default
+    if type(buf) is bytes and buf.isdigit() and (buf[0] != 48 or len(buf) == 1) and len(buf) <= _MAX_DIGITS:
+        value = int(buf)
+        if value <= hi:
+            return value
+    return dec_int(buf, lo, hi, where[field])
+
+
+def read_int_blank(buf: Buf, lo: int, hi: int, default: int, where: Mapping[str, Where], field: str) -> int:
+    """:func:`dec_int_blank` of frame ``field``."""
+    if not buf:
+        return default
+    if type(buf) is bytes and buf.isdigit() and (buf[0] != 48 or len(buf) == 1) and len(buf) <= _MAX_DIGITS:
+        value = int(buf)
+        if value <= hi and value != default:
+            return value
+    return dec_int_blank(buf, lo, hi, default, where[field])
 
 
 def dec_enum(buf: Buf, cls: type[E], w: Where) -> E:

@@ -17,10 +17,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from pdwire import wirecore as _wc
 from pdwire.wirecore import frame_encodings as _fe
 from pdwire.wirecore import positional_codec as _pc
 from pdwire.wirecore.arrays import values_equal as _eq
 from pdwire.wirecore.profile_errors import Where as _Where
+
+_wc.require(3, __name__)
 
 VERSION = (1, 0)
 PROFILE = "positional"
@@ -99,7 +102,7 @@ def _dec_Register(fr: list[_fe.Buf]) -> Register:
     except UnicodeDecodeError:
         f_endpoint = _fe.dec_ascii(fr[1], _W_Register["endpoint"])
     f_ptrs = _fe.dec_array(fr[2], _fe.NATIVE_U64, _W_Register["ptrs"])
-    f_lens = (_fe.dec_array(fr[3], _fe.LE_U32, _W_Register["lens"])) if n > 3 else _EMPTY_U32
+    f_lens = _fe.dec_array(fr[3], _fe.LE_U32, _W_Register["lens"]) if n > 3 else _EMPTY_U32
     m = Register(
         endpoint=f_endpoint,
         ptrs=f_ptrs,
@@ -114,7 +117,7 @@ _SPEC_Register = _pc.MessageSpec(
     cls=Register,
     min_frames=3,
     max_frames=4,
-    consts=((0, "None".encode("ascii")),),
+    consts=((0, b"None"),),
     match=(),
     decode=_dec_Register,
     encode=_enc_Register,
@@ -180,12 +183,7 @@ def _dec_Status(fr: list[_fe.Buf]) -> Status:
         err = _pc.count_error(PROFILE, _SPEC_Status, n)
         assert err is not None
         raise err
-    if type(fr[0]) is bytes and fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48):
-        f_room = int(fr[0])
-        if f_room > 18446744073709551615:
-            f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_Status["room"])
-    else:
-        f_room = _fe.dec_int(fr[0], 0, 18446744073709551615, _W_Status["room"])
+    f_room = _fe.read_int(fr[0], 0, 18446744073709551615, _W_Status, "room")
     f_status = _T_Poll.get(fr[1]) if type(fr[1]) is bytes else None
     if f_status is None:
         f_status = _fe.dec_enum(fr[1], Poll, _W_Status["status"])
@@ -205,8 +203,8 @@ def _dec_Status(fr: list[_fe.Buf]) -> Status:
 
 
 def _rec_Status(fr: list[bytes]) -> bool:
-    return (fr[0].isdigit() and len(fr[0]) <= 20 and (len(fr[0]) == 1 or fr[0][0] != 48)) and (
-        fr[1].isdigit() and len(fr[1]) <= 20 and (len(fr[1]) == 1 or fr[1][0] != 48)
+    return (fr[0].isdigit() and len(fr[0]) <= 20 and (fr[0][0] != 48 or len(fr[0]) == 1)) and (
+        fr[1].isdigit() and len(fr[1]) <= 20 and (fr[1][0] != 48 or len(fr[1]) == 1)
     )
 
 

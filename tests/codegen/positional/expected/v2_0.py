@@ -16,12 +16,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from pdwire import wirecore as _wc
 from pdwire.wirecore import frame_encodings as _fe
 from pdwire.wirecore import positional_codec as _pc
 from pdwire.wirecore.arrays import values_equal as _eq
 from pdwire.wirecore.profile_errors import Where as _Where
 
 from . import v1_0 as _v1_0
+
+_wc.require(3, __name__)
 
 VERSION = (2, 0)
 PROFILE = "positional"
@@ -93,7 +96,7 @@ def _dec_Register(fr: list[_fe.Buf]) -> Register:
     except UnicodeDecodeError:
         f_endpoint = _fe.dec_ascii(fr[1], _W_Register["endpoint"])
     f_ptrs = _fe.dec_array(fr[2], _fe.NATIVE_U64, _W_Register["ptrs"])
-    f_lists = (_fe.dec_lists(fr[3], _fe.LE_I32, _W_Register["lists"])) if n > 3 else []
+    f_lists = _fe.dec_lists(fr[3], _fe.LE_I32, _W_Register["lists"]) if n > 3 else []
     m = Register(
         endpoint=f_endpoint,
         ptrs=f_ptrs,
@@ -108,7 +111,7 @@ _SPEC_Register = _pc.MessageSpec(
     cls=Register,
     min_frames=3,
     max_frames=4,
-    consts=((0, "None".encode("ascii")),),
+    consts=((0, b"None"),),
     match=(),
     decode=_dec_Register,
     encode=_enc_Register,
