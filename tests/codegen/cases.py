@@ -26,10 +26,19 @@ def render_case(case: str) -> dict[str, str]:
     return render_one(proto, label)
 
 
+def is_generated(rel: Path) -> bool:
+    """Whether a path under ``expected/`` is one the generator writes (Python modules, the
+    reference page, the PEP 561 marker), not bytecode the tests' imports leave next to them
+    (``__pycache__/``) or another stray file."""
+    if "__pycache__" in rel.parts:
+        return False
+    return rel.suffix in (".py", ".md") or rel.name == "py.typed"
+
+
 def expected(case: str) -> dict[str, str]:
     root = HERE / case / "expected"
     return {
         str(p.relative_to(root)): p.read_text(encoding="utf-8")
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and is_generated(p.relative_to(root))
     }
