@@ -5,8 +5,18 @@ UCX's cma transport: ``post`` hands the rows to one worker thread, which writes 
 ``process_vm_writev`` (at most 1024 rows and 4 MiB per call, checking the cancel flag in
 between; ctypes releases the GIL, so the owner thread keeps running), then checks the peer
 is alive and drops the notification into the peer's inbox directory (see :mod:`.shm`).
-Any memory can be registered on either side. A dead peer makes the transfer FAILED (the
-kernel answers ``ESRCH``); a peer address that is not mapped fails it with ``EFAULT``.
+Any memory can be registered as a source; a target's memory must come from
+:meth:`LocalBackend.allocate` (see below). A dead peer makes the transfer FAILED (the kernel
+answers ``ESRCH``); a peer address that is not mapped fails it with ``EFAULT``.
+
+What a peer may make us write (checked in :meth:`LocalBackend.add_peer`, refused with a
+:class:`PeerError` naming the problem; see ``docs/hostile-peers.md``): the pid it names must be
+a live process that holds its inbox directory open (proof it is the local backend that created
+that inbox: :mod:`.peer_memory`), and every destination it publishes (each region, through its
+window if it gave one) must lie inside that process's ``/memfd:pdwire-*`` shared mappings, i.e.
+memory its backend allocated. A peer naming this process is refused unless it names another,
+live local backend of this process (an in-process pair) and that backend's allocated memory;
+never this backend's own.
 
 Revocation works like on the other engines: memory from :meth:`LocalBackend.allocate` is a
 memfd, and a peer given ``local_metadata(for_peer=...)`` writes through its own window,
@@ -23,10 +33,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.backends import shm
+from pdwire.runtime.backends import peer_memory, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
@@ -56,6 +69,10 @@ _libc.process_vm_writev.argtypes = [
 ]
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+# inbox path -> the live local backend of this process that owns it (same-process peers)
+_live: dict[str, LocalBackend] = {}
+_live_lock = threading.Lock()
 
 _IOV_MAX = 1024  # rows per process_vm_writev call (the kernel's limit per call)
 _CALL_BYTES = 4 << 20  # bytes per call: bounds how long a cancel waits for the worker
@@ -111,6 +128,9 @@ class LocalBackend(JobTransfers, Backend):
         self._waker = Waker()
         self._inbox_waker = DatagramWaker(f"{self._inbox.path}/{WAKE_NAME}")
         self._worker = JobWorker(f"pdwire-local-{self.agent_name}", on_done=self._waker.set)
+        self._processes: set[_Process] = set()  # of the peers added and not yet removed
+        with _live_lock:
+            _live[self._inbox.path] = self
 
     # ---- memory
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -136,15 +156,78 @@ class LocalBackend(JobTransfers, Backend):
         problem = shm.inbox_problem(inbox, md.pid)
         if problem is not None:
             raise PeerError(f"peer {md.agent_name!r} published no usable inbox {inbox!r}: {problem}")
-        return Peer(md.agent_name, md.regions, md.pid, inbox, dst_delta=md.window)
+        assert isinstance(inbox, str)  # inbox_problem refuses anything else
+        # held from before the checks: what they prove is about the process it refers to, and
+        # a write never goes to another process that got the pid after this one exited
+        target = _Process.open(md.pid, inbox)
+        peer = Peer(md.agent_name, md.regions, md.pid, target, dst_delta=md.window)
+        try:
+            self._check_writable(peer)
+            if target.gone():
+                raise PeerError(f"peer {md.agent_name!r} (pid {md.pid}) exited during the handshake")
+        except BaseException:
+            target.close()
+            raise
+        self._processes.add(target)
+        return peer
+
+    def add_peer(self, metadata: PeerMetadata, regions: Sequence[Region] | None = None) -> Peer:
+        peer = super().add_peer(metadata, regions)
+        if regions is not None:  # the caller's region list replaced the checked one: check it too
+            try:
+                self._check_writable(peer)
+            except PeerError:
+                self.remove_peer(peer)
+                raise
+        return peer
+
+    def _check_writable(self, peer: Peer) -> None:
+        """Refuse a peer whose pid, inbox or destinations are not a local backend's own (see
+        the module docstring): the handshake is where a hostile peer is stopped."""
+        who = f"peer {peer.agent_name!r} (pid {peer.pid})"
+        inbox = peer.engine.inbox
+        if peer.pid == os.getpid():
+            if inbox == self._inbox.path:
+                raise PeerError(f"{who} names this backend itself (its pid and its inbox): refused")
+            with _live_lock:
+                other = _live.get(inbox)
+            if other is None or other.closed:
+                raise PeerError(
+                    f"{who} names this process, but {inbox!r} is the inbox of no other live local "
+                    "backend of it: refused"
+                )
+            spans = other._allocated_spans()
+        else:
+            problem = peer_memory.inbox_holder_problem(inbox, peer.pid)
+            if problem is not None:
+                raise PeerError(f"{who}: inbox {inbox!r}: {problem}")
+            try:
+                spans = peer_memory.pdwire_spans(peer.pid)
+            except OSError as exc:
+                raise PeerError(f"{who}: its memory map cannot be read: {exc.strerror}") from None
+        problem = peer_memory.destination_problem(_destinations(peer), spans)
+        if problem is not None:
+            raise PeerError(f"{who}: {problem}; the local backend writes nowhere else")
+
+    def _allocated_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of this backend's allocate()d memory and its live windows, sorted."""
+        spans = []
+        for mem in list(self._shared):
+            if mem.array is None:
+                continue
+            spans.append((mem.address, mem.address + mem.nbytes))
+            spans += [(w.base, w.base + mem.nbytes) for w in list(mem.windows) if not w.revoked]
+        return sorted(spans)
 
     def _remove_peer(self, peer: Peer) -> None:
-        pass  # nothing is held per peer
+        self._processes.discard(peer.engine)
+        peer.engine.close()  # none of its transfers can still run
 
     # ---- transfers
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
         peer = handle.peer
-        inbox: str = peer.engine
+        target: _Process = peer.engine
+        inbox = target.inbox
         n = len(table)
         # iovec arrays (base, length) for both sides, built once; each call passes a slice
         local_iov = np.empty((n, 2), dtype=np.uint64)
@@ -157,6 +240,8 @@ class LocalBackend(JobTransfers, Backend):
         pid = peer.pid
 
         def run(job: Job) -> PollResult:
+            if target.gone():  # before a byte: the pid may since belong to another process
+                return failed(_write_error(errno.ESRCH, peer))
             for a, b in calls:
                 if job.cancel:
                     return failed("cancelled")
@@ -170,7 +255,7 @@ class LocalBackend(JobTransfers, Backend):
                     return failed(_write_error(errno.EFAULT, peer))
             if job.cancel:
                 return failed("cancelled")
-            if not pid_alive(pid):
+            if target.gone():
                 return failed(f"peer {peer.agent_name!r} (pid {pid}) died before the notification")
             try:
                 shm.send(inbox, self.agent_name, notification)
@@ -196,4 +281,50 @@ class LocalBackend(JobTransfers, Backend):
         self._worker.stop()
         self._waker.close()
         self._inbox_waker.close()
-        shm.remove_path(self._inbox.path)
+        with _live_lock:
+            if _live.get(self._inbox.path) is self:
+                del _live[self._inbox.path]
+        self._inbox.close()
+        if not any(t.is_alive() for t in self._worker._threads):  # none stuck that may use them
+            for target in self._processes:
+                target.close()
+        self._processes.clear()
+
+
+class _Process:
+    """The peer's process as checked at the handshake (a pidfd, where the kernel has them) and
+    its inbox."""
+
+    def __init__(self, pid: int, inbox: str, pidfd: int) -> None:
+        self.pid, self.inbox, self.pidfd = pid, inbox, pidfd
+
+    @classmethod
+    def open(cls, pid: int, inbox: str) -> _Process:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise PeerError(f"pid {pid} is not running") from None
+        except (OSError, AttributeError):
+            pidfd = -1  # a kernel before 5.3: liveness by pid alone
+        return cls(pid, inbox, pidfd)
+
+    def gone(self) -> bool:
+        """Whether the process exited (a pidfd turns readable then)."""
+        if self.pidfd < 0:
+            return not pid_alive(self.pid)
+        poller = select.poll()  # (select() cannot take a descriptor past 1023)
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def _destinations(peer: Peer) -> Iterator[tuple[int, str, int, int]]:
+    """(index, name, start, length) of each region of ``peer`` as it would be written: through
+    its window when it gave one (u64 arithmetic, as :meth:`Peer.engine_dst` does)."""
+    for i, r in enumerate(peer.regions):
+        delta = 0 if peer.dst_delta is None or i >= len(peer.dst_delta) else int(peer.dst_delta[i])
+        yield i, r.name, (r.base + delta) % (1 << 64), r.length

@@ -222,4 +222,4 @@ class MoriBackend(Backend):
         shutdown = getattr(self._engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
-        shm.remove_path(self._inbox.path)
+        self._inbox.close()

@@ -142,12 +142,27 @@ class Inbox:
 
     path: str
     skipped: int = 0  # entries that were no message of ours (not a file, unreadable, garbage)
+    # The directory held open for the inbox's lifetime: a writer checks that the process a peer
+    # names holds its inbox open (``/proc/<pid>/fd``), which no other process can fake for it.
+    fd: int = -1
 
     @classmethod
     def create(cls, path: str) -> Inbox:
         os.mkdir(path, 0o700)
         _owned.add(path)
-        return cls(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            remove_path(path)
+            raise
+        return cls(path, fd=fd)
+
+    def close(self) -> None:
+        """Remove the directory and let go of it; idempotent."""
+        remove_path(self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def receive(self) -> list[tuple[str, bytes]]:
         try:
