@@ -7,6 +7,7 @@ base; ``ruff check`` must pass on it without any ``noqa``.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -93,6 +94,10 @@ def banner(source: str, comment: str = "#") -> str:
 
 def ruff_format(text: str, filename: str) -> str:
     """``text`` as ``ruff format`` writes it (the repository's pyproject.toml applies)."""
+    if importlib.util.find_spec("ruff") is None:
+        raise SchemaError(
+            filename, "formatting generated code needs ruff: pip install 'pdwire[dev]' (it pins the version)"
+        )
     try:
         done = subprocess.run(
             [sys.executable, "-m", "ruff", "format", "--stdin-filename", f"generated/{filename}", "-"],

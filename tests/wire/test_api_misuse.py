@@ -92,3 +92,20 @@ def test_bad_schema_and_output_paths_are_one_line_and_exit_2(
 def test_an_empty_schema_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(capsys, "reference", "--schema", str(tmp_path))
     assert code == 2 and err.strip() == f"pdwire reference: {tmp_path}: no *.yaml schema files"
+
+
+def test_codegen_without_ruff_names_the_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `pip install pdwire` without the dev extra, ruff (which formats generated code) is
+    missing: one line naming the extra, exit 2, nothing written."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    no_ruff = lambda name, *a: None if name == "ruff" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", no_ruff)
+    code, out, err = _cli(capsys, "codegen", "--out", str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pdwire codegen: ") and "pip install 'pdwire[dev]'" in line, line
+    assert not any((tmp_path / "out").rglob("*.py"))
