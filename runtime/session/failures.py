@@ -59,13 +59,24 @@ class Failure:
 TYPED_FAILURES_SINCE = features.field_since("TransferStatus", "failure_kind")
 
 
+REASON_MAX = 4096
+"""Characters of a failure's text sent to a peer: a reason quoting a peer's input (an exception
+text) stays far below the peer's control socket message limit."""
+
+
+def _clipped(text: str) -> str:
+    if len(text) <= REASON_MAX:
+        return text
+    return f"{text[:REASON_MAX]}... ({len(text) - REASON_MAX} more characters)"
+
+
 def failure_to_wire(failure: Failure | None, version: tuple[int, int] | None) -> tuple[FailureKind, str]:
     """``(failure_kind, reason)`` to send at ``version`` (None: not agreed yet, the oldest form)."""
     if failure is None:
         return FailureKind.UNSPECIFIED, ""
     if version is None or version < TYPED_FAILURES_SINCE:
-        return FailureKind.UNSPECIFIED, failure.reason
-    return failure.kind, failure.detail
+        return FailureKind.UNSPECIFIED, _clipped(failure.reason)
+    return failure.kind, _clipped(failure.detail)
 
 
 def failure_from_wire(kind: FailureKind | int, reason: str) -> Failure:

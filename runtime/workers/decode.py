@@ -149,6 +149,10 @@ RETRY_MAX_S = 5.0
 # is retried this often (waiting TAKEOVER_FIRST_S, doubling), inside the handshake deadline
 TAKEOVER_TRIES = 6
 TAKEOVER_FIRST_S = 0.05
+PREFILL_MAX_MESSAGE = 1 << 20
+"""ZMQ_MAXMSGSIZE of a link's socket: a prefill rank sends Hello, RegisterAck, TransferStatus
+and AbortAck over it, each a few hundred bytes (a reason text at most a few KiB); a larger
+frame disconnects the prefill rank (its rooms fail as for a lost peer) before it is buffered."""
 
 
 @dataclass(eq=False)
@@ -410,6 +414,7 @@ class DecodeWorker:
         conn = DecodeConnection(self._local(key), endpoint, deadline, expected)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, PREFILL_MAX_MESSAGE)
         # ZMTP heartbeats: a peer that answers none within peer_timeout_s (stopped, cut off,
         # its host gone) has its connection closed, which the monitor reports as a loss
         timeout_ms = max(1, int(self.config.peer_timeout_s * 1000))

@@ -158,3 +158,34 @@ def test_a_frame_over_the_control_size_limit_is_never_delivered(monkeypatch: pyt
         finally:
             a.close()
         assert run_room(p, 12)[1] is Status.SUCCESS
+
+
+def test_a_prefill_peer_sending_an_oversized_frame_is_dropped_and_decode_serves_on() -> None:
+    """The decode side's limit: a "prefill rank" that answers Hello with a frame over
+    PREFILL_MAX_MESSAGE loses its connection before the frame is buffered; that connect fails
+    at its handshake timeout, naming the endpoint, and the decode rank goes on serving its real
+    prefill peer."""
+    from pdwire.runtime.workers.decode import PREFILL_MAX_MESSAGE
+
+    with worker_pair() as p:
+        rogue = zmq.Context.instance().socket(zmq.ROUTER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        endpoint = f"tcp://127.0.0.1:{rogue.bind_to_random_port('tcp://127.0.0.1')}"
+        try:
+            group = p.dec.connect([endpoint], timeout_s=5.0)
+            end = time.monotonic() + 10
+            answered = False
+            while group.state.name == "CONNECTING":
+                assert time.monotonic() < end, "the decode rank never gave up on the rogue peer"
+                if not answered and rogue.poll(0):
+                    ident, *_ = rogue.recv_multipart()
+                    rogue.send_multipart([ident, b"x" * (PREFILL_MAX_MESSAGE + 1)])
+                    answered = True
+                p.dec.step(5)
+                p.pre.step(1)
+            assert answered and group.failed, group
+            # the frame never reached the worker (without the limit it fails as "undecodable")
+            assert group.error is not None and "no Hello from" in group.error, group.error
+        finally:
+            rogue.close(0)
+        assert run_room(p, 13)[1] is Status.SUCCESS

@@ -240,6 +240,21 @@ def test_failures_travel_typed_from_1_2_and_as_a_reason_prefix_before(kind: Fail
     assert failure_to_wire(f, None) == (wire.FailureKind.UNSPECIFIED, f.reason)  # version not agreed yet
 
 
+def test_a_huge_failure_text_is_clipped_before_it_reaches_the_peer() -> None:
+    """A reason quoting a peer's input must not outgrow the peer's socket limit (decode drops a
+    prefill rank that sends a frame over PREFILL_MAX_MESSAGE)."""
+    from pdwire.runtime.session.failures import REASON_MAX
+    from pdwire.runtime.workers.decode import PREFILL_MAX_MESSAGE
+
+    huge = Failure(FailureKind.VALIDATION, "x" * (4 * PREFILL_MAX_MESSAGE))
+    for version in (None, (1, 1), wire.NEWEST):
+        _, reason = failure_to_wire(huge, version)
+        assert reason.endswith(" more characters)") and len(reason) < REASON_MAX + 64
+        status = wire.TransferStatus(room=1, status=wire.Status.FAILED, sender_rank=0, reason=reason)
+        assert sum(len(f) for f in wire.encode(status)) < PREFILL_MAX_MESSAGE
+    assert failure_to_wire(Failure(FailureKind.VALIDATION, "short"), wire.NEWEST)[1] == "short"
+
+
 @pytest.mark.parametrize("field", ["aux_lens", "aux_item_lens"])
 @pytest.mark.parametrize("count", [0, 2])
 def test_aux_lists_that_do_not_line_up_with_the_buffers_are_refused_by_field(field: str, count: int) -> None:
