@@ -10,6 +10,7 @@ its handshake starves with several requests on 2 cores, so one prompt goes there
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,13 +129,18 @@ def _check_pd(
     assert settle(lambda: kv_usage(decode) == 0 and kv_usage(prefill) == 0, 90)
 
 
-# A handshake with several ranks on one side stalled intermittently here (docs/vllm.md, "Known
-# issue"): decode got no registration answer before the prefill lease ran out. The plans are
-# checked byte for byte in tests/integrations/test_vllm_memory.py; these stay real-engine tests
-# and report XPASS when the handshake goes through.
-HANDSHAKE_STALL = pytest.mark.xfail(
-    strict=False,
-    reason="intermittent handshake stall with several ranks on one side (docs/vllm.md, Known issue)",
+# A handshake with several ranks on one side stalls intermittently here (docs/vllm.md, "Known
+# issue"): decode gets no registration answer before its handshake timeout, and a stalled case
+# can then hold its engines past any per-test bound (a clean-clone CI run hit pytest-timeout's
+# 1500 s inside test_dense_prefill_tp1_to_decode_tp2). Until the stall is explained these cases
+# run only on request (PDWIRE_VLLM_TP=1 ./dev test tests/vllm/test_tp.py), where they are strict:
+# a stall fails. The plans themselves are checked byte for byte without engines in
+# tests/integrations/test_vllm_memory.py, and different TP sizes through the real workers in
+# tests/e2e (test_tp_pairs, test_mla_sharded_state).
+HANDSHAKE_STALL = pytest.mark.skipif(
+    os.environ.get("PDWIRE_VLLM_TP") != "1",
+    reason="known intermittent handshake stall with several ranks on one side (docs/vllm.md, Known "
+    "issue); PDWIRE_VLLM_TP=1 runs these",
 )
 
 
