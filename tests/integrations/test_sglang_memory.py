@@ -10,9 +10,13 @@ import pytest
 
 from pdwire.integrations.sglang.memory import (
     DECODE_KV_HEADS,
+    POOL_LAYERS,
     Geometry,
     KVArgsError,
+    PoolLayers,
     fill_decode_heads,
+    fill_layer_ids,
+    missing_pp_layer_ids,
     rank_memory,
 )
 
@@ -143,3 +147,44 @@ def test_decode_heads_come_from_the_hook_only_where_sglang_left_them_unset() -> 
         DECODE_KV_HEADS.reset(token)
     assert (a.kv_head_num, a.total_kv_head_num) == (1, 4)
     assert (b.kv_head_num, b.total_kv_head_num) == (2, 8)
+
+
+def test_pool_layers_fill_only_what_sglang_left_out() -> None:
+    """A PP stage of an SWAKVPool model: SGLang's KVArgs name no SWA layers and start at 0; the
+    plugin's hook read the stage's layers from the pools (PoolLayers)."""
+    a = kvargs(state_layer_ids=[[], []])  # Mamba in the request pool: no ids either
+    assert missing_pp_layer_ids(a) == ["state[0]:swa", "state[1]:mamba"]
+    fill_layer_ids(a)
+    assert a.state_layer_ids == [[], []]  # no hook value: nothing invented
+    token = POOL_LAYERS.set(PoolLayers(kv_start=3, state=(("swa", (7,)), ("mamba", (5, 9)))))
+    try:
+        fill_layer_ids(a)
+        assert missing_pp_layer_ids(a) == []
+        b = kvargs()  # SGLang's own Mamba layer ids stay
+        fill_layer_ids(b)
+    finally:
+        POOL_LAYERS.reset(token)
+    # per layer, repeated per tensor (SWA: K then V; Mamba: conv then temporal)
+    assert (a.prefill_start_layer, a.state_layer_ids) == (3, [[7, 7], [5, 9, 5, 9]])
+    assert b.state_layer_ids == [[7, 7], [0, 2, 0, 2]]
+    m = rank_memory(a, Geometry(2, 1, pp_size=2, pp_rank=1, memory_kind=pd.MemoryKind.DRAM))
+    assert m.position.first_layer == 3
+    assert [c.layer_ids for c in m.state] == [(7,), (5, 9)]
+
+
+def test_pool_layers_that_do_not_fit_are_left_out() -> None:
+    a = kvargs(state_layer_ids=[[], []], state_types=["swa", "swa"])  # a kind twice: ambiguous
+    token = POOL_LAYERS.set(PoolLayers(state=(("swa", (7,)), ("mamba", (1, 2, 3)))))
+    try:
+        fill_layer_ids(a)
+        b = kvargs(state_layer_ids=[[], []])
+        fill_layer_ids(b)  # 3 Mamba layers for 4 buffers: not this pool's
+    finally:
+        POOL_LAYERS.reset(token)
+    assert a.state_layer_ids == [[], []]
+    assert b.state_layer_ids == [[7, 7], []]
+    token = POOL_LAYERS.set(PoolLayers(kv_start_missing=True))
+    try:
+        assert missing_pp_layer_ids(kvargs())[0].startswith("the KV start layer")
+    finally:
+        POOL_LAYERS.reset(token)

@@ -4,7 +4,10 @@ Each rank publishes its own SGLang runtime context (``create_context`` with the 
 ``ServerArgs`` and launcher ranks) and builds, on the CPU, the memory pools an SGLang hybrid
 model has: ``SWAKVPool`` (full-attention KV + sliding-window KV), a ``HybridReqToTokenPool``
 holding the Mamba state (Mamba2 conv with x|B|C sub-blocks, temporal), and
-``MetadataBuffers`` (aux). The ``KVArgs`` and the manager come from SGLang's own
+``MetadataBuffers`` (aux); or, for a Mamba + full-attention hybrid, a ``HybridLinearKVPool``
+over the request pool's Mamba state (:data:`LINEAR_HYBRID`). A rank of a PP stage builds them
+for its own layers only, as SGLang's ``layer_info`` slices them (global layer ids,
+``start_layer``). The ``KVArgs`` and the manager come from SGLang's own
 ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``, run on
 a stand-in for the scheduler that carries the pools (the only part that is not SGLang's).
 
@@ -15,20 +18,23 @@ its own shard of the same tensors.
 
 from __future__ import annotations
 
+import json
+import os
+import queue
 import socket
+import subprocess
+import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-LAYERS_FULL = [3]  # full attention
-LAYERS_SWA = [1]  # sliding window
-LAYERS_MAMBA = [0, 2]
-NUM_LAYERS = 4
 KV_HEADS = 4
 HEAD_DIM = 8
 PAGE = 4
@@ -39,6 +45,30 @@ CONV_GROUPS = [INTERMEDIATE, N_GROUPS * STATE, N_GROUPS * STATE]
 POOL_TOKENS = 512
 MAMBA_SLOTS = 4
 AUX_ITEMS = 8
+
+
+@dataclass(frozen=True)
+class Model:
+    """Which of the model's layers (global ids) hold what, and the pools SGLang builds for it."""
+
+    pools: str  # "swa": SWAKVPool + Mamba in the request pool; "linear": HybridLinearKVPool
+    num_layers: int
+    mamba: tuple[int, ...]
+    full: tuple[int, ...]
+    swa: tuple[int, ...] = ()
+
+    def stage(self, pp: int, pp_rank: int) -> tuple[int, int]:
+        """[start, end) of a PP stage (an even split, as SGLang's ``make_layers`` does here)."""
+        per = self.num_layers // pp
+        return pp_rank * per, self.num_layers if pp_rank == pp - 1 else (pp_rank + 1) * per
+
+
+# a hybrid with sliding-window and full attention and Mamba2: SWAKVPool, the Mamba state in a
+# HybridReqToTokenPool (SGLang's KVArgs carry no layer ids for either)
+SWA_HYBRID = Model("swa", 6, mamba=(0, 3), full=(2, 5), swa=(1, 4))
+# Mamba2 + full attention in a HybridLinearKVPool (Nemotron-H's, Qwen3-Next's pools): SGLang's
+# KVArgs carry the Mamba layer ids and a full-attention-relative prefill start layer
+LINEAR_HYBRID = Model("linear", 6, mamba=(0, 1, 3), full=(2, 4, 5))
 
 
 def free_port() -> int:
@@ -61,6 +91,12 @@ class Rank:
     next_slot: int = 1
     next_aux: int = 0
     rooms: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pp_size: int = 1
+    pp_rank: int = 0
+    # the layers this rank holds (global ids, in the order of its pools' buffers)
+    full_layers: list[int] = field(default_factory=list)
+    swa_layers: list[int] = field(default_factory=list)
+    mamba_layers: list[int] = field(default_factory=list)
 
     # ---------------------------------------------------------------- memory views
 
@@ -86,12 +122,13 @@ class Rank:
         return idx
 
 
-def _server_args(role: str, tp: int, bootstrap_port: int, http_port: int) -> Any:
+def _server_args(role: str, tp: int, bootstrap_port: int, http_port: int, pp: int = 1) -> Any:
     from sglang.srt.server_args import ServerArgs
 
     return ServerArgs(
         model_path="dummy",  # like SGLang's own test topologies: no model is loaded
         tp_size=tp,
+        pp_size=pp,
         disaggregation_mode=role,
         disaggregation_transfer_backend="pdwire",
         disaggregation_bootstrap_port=bootstrap_port,
@@ -101,45 +138,63 @@ def _server_args(role: str, tp: int, bootstrap_port: int, http_port: int) -> Any
     )
 
 
-def _pools(tp: int) -> tuple[Any, Any, Any]:
+def _pools(model: Model, tp: int, start: int, end: int) -> tuple[Any, Any, Any, Any]:
+    """The pools SGLang builds for the layers [start, end) of one PP stage: its own layers with
+    their global ids (``layer_info``), ``start_layer`` where the pool takes one."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.disaggregation.utils import MetadataBuffers
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    def own(ids: tuple[int, ...]) -> list[int]:
+        return [i for i in ids if start <= i < end]
 
     shape = Mamba2StateShape.create(
         tp_world_size=tp, intermediate_size=INTERMEDIATE, n_groups=N_GROUPS, num_heads=M_HEADS,
         head_dim=M_HEAD_DIM, state_size=STATE, conv_kernel=KERNEL, conv_shard_groups=CONV_GROUPS,
     )  # fmt: skip
     params = Mamba2CacheParams(
-        shape=shape, layers=LAYERS_MAMBA, dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+        shape=shape,
+        layers=list(model.mamba),
+        dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
     )
     req_pool = HybridReqToTokenPool(
         size=MAMBA_SLOTS, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=0, max_context_len=POOL_TOKENS,
-        device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=LAYERS_MAMBA,
-        enable_mamba_extra_buffer=False, enable_overlap_schedule=False,
+        device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=own(model.mamba),
+        enable_mamba_extra_buffer=False, enable_overlap_schedule=False, start_layer=start,
     )  # fmt: skip
-    kv_pool = SWAKVPool(
-        size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE, dtype=torch.bfloat16,
-        head_num=KV_HEADS // tp, head_dim=HEAD_DIM, swa_attention_layer_ids=LAYERS_SWA,
-        full_attention_layer_ids=LAYERS_FULL, device="cpu",
-    )  # fmt: skip
+    if model.pools == "swa":
+        kv_pool = SWAKVPool(
+            size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE, dtype=torch.bfloat16,
+            head_num=KV_HEADS // tp, head_dim=HEAD_DIM, swa_attention_layer_ids=own(model.swa),
+            full_attention_layer_ids=own(model.full), device="cpu",
+        )  # fmt: skip
+    else:
+        kv_pool = HybridLinearKVPool(
+            size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE, head_num=KV_HEADS // tp,
+            head_dim=HEAD_DIM, full_attention_layer_ids=own(model.full), device="cpu",
+            mamba_pool=req_pool.mamba_pool, start_layer=start,
+        )  # fmt: skip
     metadata = MetadataBuffers(
         AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
     )
-    return kv_pool, req_pool, metadata
+    layers = SimpleNamespace(full=own(model.full), swa=own(model.swa), mamba=own(model.mamba))
+    return kv_pool, req_pool, metadata, layers
 
 
 def _scheduler_stand_in(
-    role: str, tp: int, tp_rank: int, kv_pool: Any, req_pool: Any, metadata: Any, sa: Any
+    model: Model, tp_rank: int, pp_rank: int, kv_pool: Any, req_pool: Any, metadata: Any, sa: Any
 ) -> Any:
     """The attributes SGLang's ``_init_kv_manager`` reads from its queue and scheduler."""
     from sglang.srt.disaggregation.utils import TransferBackend
 
     model_config = SimpleNamespace(
-        num_hidden_layers=NUM_LAYERS,
+        num_hidden_layers=model.num_layers,
         get_total_num_kv_heads=lambda: KV_HEADS,
-        hf_text_config=SimpleNamespace(full_attention_layer_ids=LAYERS_FULL),
+        # model-wide, as SGLang's ModelConfig has them (hf_text_config: a linear hybrid's)
+        hf_text_config=SimpleNamespace(full_attention_layer_ids=list(model.full)),
+        full_attention_layer_ids=list(model.full) if model.swa else None,
+        swa_attention_layer_ids=list(model.swa) if model.swa else None,
     )
     scheduler = SimpleNamespace(
         rust_server=None, server_args=sa, model_config=model_config, req_to_token_pool=req_pool,
@@ -148,28 +203,37 @@ def _scheduler_stand_in(
     )  # fmt: skip
     return SimpleNamespace(
         token_to_kv_pool=kv_pool, draft_token_to_kv_pool=None, metadata_buffers=metadata, tp_rank=tp_rank,
-        pp_rank=0, scheduler=scheduler, transfer_backend=TransferBackend("pdwire"), is_mla_backend=False,
-        req_to_token_pool=req_pool, enable_staging=False,
+        pp_rank=pp_rank, scheduler=scheduler, transfer_backend=TransferBackend("pdwire"),
+        is_mla_backend=False, req_to_token_pool=req_pool, enable_staging=False,
     )  # fmt: skip
 
 
-def make_rank(role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int) -> Rank:
+def make_rank(
+    role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int,
+    model: Model = SWA_HYBRID, pp: int = 1, pp_rank: int = 0,
+) -> Rank:  # fmt: skip
+    """One scheduler rank: TP rank ``tp_rank`` of PP stage ``pp_rank`` (SGLang's launcher places
+    it at world rank ``tp * pp_rank + tp_rank``), holding the stage's own layers."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
-    sa = _server_args(role, tp, bootstrap_port, http_port)
-    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    start, end = model.stage(pp, pp_rank)
+    sa = _server_args(role, tp, bootstrap_port, http_port, pp=pp)
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp * pp_rank + tp_rank))
     with use_context(ctx):
-        kv_pool, req_pool, metadata = _pools(tp)
-        stand_in = _scheduler_stand_in(role, tp, tp_rank, kv_pool, req_pool, metadata, sa)
+        kv_pool, req_pool, metadata, layers = _pools(model, tp, start, end)
+        stand_in = _scheduler_stand_in(model, tp_rank, pp_rank, kv_pool, req_pool, metadata, sa)
         init = (
             PrefillBootstrapQueue._init_kv_manager
             if role == "prefill"
             else DecodePreallocQueue._init_kv_manager
         )
         manager = init(stand_in)
-    return Rank(role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx)
+    return Rank(
+        role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx, pp_size=pp, pp_rank=pp_rank,
+        full_layers=layers.full, swa_layers=layers.swa, mamba_layers=layers.mamba,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- model-wide content
@@ -223,14 +287,16 @@ def swa_window_start(seq_len: int) -> int:
 
 
 class Request:
-    """One request's pages, slot and aux item on one rank, and its content there."""
+    """One request's pages, SWA window pages, Mamba slot and aux item on one rank, and its
+    content there: every region named by its global layer."""
 
     def __init__(self, rank: Rank, room: int, seq_len: int) -> None:
         self.rank, self.room, self.seq_len = rank, room, seq_len
         n_pages = -(-seq_len // PAGE)
         self.pages = rank.alloc_pages(n_pages)
         w0 = swa_window_start(seq_len)
-        self.swa_pages = rank.alloc_pages(n_pages - w0 // PAGE)  # the window's pages in the SWA pool
+        # the window's pages in the SWA pool
+        self.swa_pages = rank.alloc_pages(n_pages - w0 // PAGE) if rank.swa_layers else None
         self.slot = rank.alloc_slot()
         self.aux = rank.alloc_aux()
 
@@ -244,40 +310,39 @@ class Request:
 
     # ------------------------------------------------------------ what the rank holds
 
-    def regions(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """(what, the rank's bytes now, the bytes it must hold) for every part of the request."""
+    def _kv_rows(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+        """(what, the pool's bytes of one layer's K or V, the request's rows there, the rows' content)."""
         out = []
-        full_pool = self.rank.kv_pool.full_kv_pool
-        swa_pool = self.rank.kv_pool.swa_kv_pool
         rows = self.token_rows(self.pages, self.seq_len)
-        for kv in ("k", "v"):
-            buf = _as_u16(getattr(full_pool, f"{kv}_buffer")[0])
-            want = full_kv(self.room, f"full-{kv}", self.seq_len)[:, self.heads()]
-            out.append((f"kv {kv}", buf[rows], want))
+        full_pool = self.rank.kv_pool.full_kv_pool
+        for local, layer in enumerate(self.rank.full_layers):
+            for kv in ("k", "v"):
+                buf = _as_u16(getattr(full_pool, f"{kv}_buffer")[local])
+                want = full_kv(self.room, f"full{layer}-{kv}", self.seq_len)[:, self.heads()]
+                out.append((f"kv {kv} layer {layer}", buf, rows, want))
+        if self.swa_pages is not None:
             w0 = swa_window_start(self.seq_len)
             swa_rows = self.token_rows(self.swa_pages, self.seq_len - w0)
-            sbuf = _as_u16(getattr(swa_pool, f"{kv}_buffer")[0])
-            swant = full_kv(self.room, f"swa-{kv}", self.seq_len)[w0:, self.heads()]
-            out.append((f"swa {kv}", sbuf[swa_rows], swant))
+            swa_pool = self.rank.kv_pool.swa_kv_pool
+            for local, layer in enumerate(self.rank.swa_layers):
+                for kv in ("k", "v"):
+                    buf = _as_u16(getattr(swa_pool, f"{kv}_buffer")[local])
+                    want = full_kv(self.room, f"swa{layer}-{kv}", self.seq_len)[w0:, self.heads()]
+                    out.append((f"swa {kv} layer {layer}", buf, swa_rows, want))
+        return out
+
+    def regions(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(what, the rank's bytes now, the bytes it must hold) for every part of the request."""
+        out = [(what, buf[rows], want) for what, buf, rows, want in self._kv_rows()]
         mamba = self.rank.req_pool.mamba_pool.mamba_cache
-        for li, layer in enumerate(LAYERS_MAMBA):
-            conv = _as_u16(mamba.conv[0][li, self.slot])
-            out.append(
-                (
-                    f"conv layer {layer}",
-                    conv,
-                    conv_shard(full_conv(self.room, layer), self.rank.tp_size, self.rank.tp_rank),
-                )
-            )
-            per = M_HEADS // self.rank.tp_size
-            ssm = _as_u32(mamba.temporal[li, self.slot])
-            out.append(
-                (
-                    f"ssm layer {layer}",
-                    ssm,
-                    full_temporal(self.room, layer)[self.rank.tp_rank * per : (self.rank.tp_rank + 1) * per],
-                )
-            )
+        per = M_HEADS // self.rank.tp_size
+        for local, layer in enumerate(self.rank.mamba_layers):
+            conv = _as_u16(mamba.conv[0][local, self.slot])
+            want = conv_shard(full_conv(self.room, layer), self.rank.tp_size, self.rank.tp_rank)
+            out.append((f"conv layer {layer}", conv, want))
+            ssm = _as_u32(mamba.temporal[local, self.slot])
+            want = full_temporal(self.room, layer)[self.rank.tp_rank * per : (self.rank.tp_rank + 1) * per]
+            out.append((f"ssm layer {layer}", ssm, want))
         aux = self._aux_view()
         out.append(("aux", aux, aux_bytes(self.room, aux.size)))
         return out
@@ -289,21 +354,9 @@ class Request:
     def fill(self) -> None:
         """Write the request's content into the rank's memory (prefill: the prompt's KV and state)."""
         for _what, now, want in self.regions():
-            now[...] = want
-        self._write_back()
-
-    def _write_back(self) -> None:
-        # regions() returns copies for fancy-indexed views; write them through explicitly
-        full_pool = self.rank.kv_pool.full_kv_pool
-        swa_pool = self.rank.kv_pool.swa_kv_pool
-        rows = self.token_rows(self.pages, self.seq_len)
-        w0 = swa_window_start(self.seq_len)
-        swa_rows = self.token_rows(self.swa_pages, self.seq_len - w0)
-        for kv in ("k", "v"):
-            buf = _as_u16(getattr(full_pool, f"{kv}_buffer")[0])
-            buf[rows] = full_kv(self.room, f"full-{kv}", self.seq_len)[:, self.heads()]
-            sbuf = _as_u16(getattr(swa_pool, f"{kv}_buffer")[0])
-            sbuf[swa_rows] = full_kv(self.room, f"swa-{kv}", self.seq_len)[w0:, self.heads()]
+            now[...] = want  # the Mamba slot and the aux item are views
+        for _what, buf, rows, want in self._kv_rows():
+            buf[rows] = want  # token rows are a fancy index: write through
 
     def mismatches(self) -> list[str]:
         return [what for what, now, want in self.regions() if not np.array_equal(now, want)]
@@ -315,6 +368,7 @@ class Request:
         out: list[Any] = []
         for t in self.rank.manager.kv_args.state_types:
             if t.value == "swa":
+                assert self.swa_pages is not None
                 out.append(self.swa_pages.copy())
             elif t.value == "mamba":
                 out.append([np.asarray(self.slot, dtype=np.int32)])
@@ -342,3 +396,63 @@ class EngineThread(threading.Thread):
             self.result = self.fn()
         except BaseException as exc:
             self.error = exc
+
+
+class PrefillProcess:
+    """A prefill engine in its own process (``prefill_process.py``: SGLang's bootstrap server and
+    ``p`` ranks). Its stdout is read on a thread of its own, so every wait for one of its lines
+    has its own timeout (:meth:`next_line`); its stderr goes to ``stderr_path``."""
+
+    def __init__(
+        self, p: int, bootstrap_port: int, http_port: int, rooms: dict[int, int], stderr_path: Path,
+        stall: bool = False,
+    ) -> None:  # fmt: skip
+        self.stderr_path = stderr_path
+        args = [sys.executable, "-m", "tests.sglang_backend.prefill_process", str(p), str(bootstrap_port),
+                str(http_port), json.dumps(rooms), *(["stall"] if stall else [])]  # fmt: skip
+        with stderr_path.open("w") as errors:
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=errors, text=True, env=dict(os.environ),
+                cwd=Path(__file__).resolve().parents[2],
+            )  # fmt: skip
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="prefill-process-stdout", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # EOF: the process closed its stdout (ended)
+
+    def _stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")[-3000:]
+
+    def next_line(self, prefix: str, timeout: float) -> str:
+        """The next line starting with ``prefix`` (the engines log to stdout too: NIXL's INFO lines
+        are skipped), within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"prefill process: no {prefix!r} line within {timeout}s: {self._stderr()}"
+                )
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(
+                    f"prefill process ended (rc {self.proc.poll()}) before {prefix!r}: {self._stderr()}"
+                )
+            if line.startswith(prefix):
+                return line.strip()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL (nothing of it runs any more: no teardown, no goodbye), and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)

@@ -12,7 +12,10 @@ runtime (``pdwire.runtime.engine``), nothing else:
   (``rank_ip``/``rank_port`` of the worker's ROUTER socket) with SGLang's own bootstrap server
   (``PUT /route``); a decode rank reads the prefill topology and the endpoints from it
   (``GET /route``) and handshakes with the prefill ranks its routing names, once per prefill
-  DP group.
+  DP group (again when that engine comes back with new endpoints after a rank was lost).
+  Prefill may run in PP stages (decode with one): each stage's layers are placed on decode by
+  their model-wide position, which the plugin completes from the pools where ``KVArgs`` lacks
+  it (``memory.PoolLayers``).
 * :class:`PdwireKVSender` (prefill, one per request) hands each chunk's pages to the worker;
   the state indices and the aux index ride on the last chunk. ``poll`` reads the room's
   status: Bootstrapping until every decode rank asked, WaitingForInput, Transferring, and
@@ -69,6 +72,8 @@ from pdwire.integrations.sglang.memory import (
     Geometry,
     KVArgsError,
     fill_decode_heads,
+    fill_layer_ids,
+    missing_pp_layer_ids,
     rank_memory,
     state_kinds,
 )
@@ -115,9 +120,10 @@ class _Driver:
     The worker is not thread-safe; after each step the driver copies the status of every room
     a sender watches into a dict the scheduler thread reads without waiting."""
 
-    def __init__(self, worker: Any, watched: dict[int, KVPoll]) -> None:
+    def __init__(self, worker: Any, watched: dict[int, KVPoll], after_step: Any = None) -> None:
         self.worker = worker
         self.watched = watched
+        self.after_step = after_step
 
     @property
     def poller(self) -> Any:
@@ -129,6 +135,8 @@ class _Driver:
             st = self.worker.status(room)
             if st is not None:
                 self.watched[room] = _POLL[st]
+        if self.after_step is not None:
+            self.after_step()
         return events
 
     def close(self) -> None:
@@ -191,6 +199,30 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         self.kinds = state_kinds(args)
         if disaggregation_mode == DisaggregationMode.DECODE and not is_mla_backend:
             fill_decode_heads(args)
+        fill_layer_ids(args)
+        if disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1:
+            # SGLang's decode KVArgs carry no start layer, and pdwire sends a request's aux item
+            # from the last prefill stage only: a decode stage would get layers it does not hold
+            raise ValueError(
+                f"pdwire: decode with pipeline parallelism (PP {self.pp_size}) is not supported; "
+                "run decode with PP 1 (prefill may use PP; see docs/sglang.md)"
+            )
+        ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+        empty = [f"state[{ci}]:{k}" for ci, k in enumerate(self.kinds) if ci >= len(ptrs) or not ptrs[ci]]
+        if self.pp_size > 1 and empty:
+            # SGLang registers the component with no buffers when a stage holds none of its layers
+            raise ValueError(
+                f"pdwire: PP stage {self.pp_rank} of {self.pp_size} holds no layer of {', '.join(empty)}: "
+                "pdwire needs every PP stage to hold at least one layer of each state kind"
+            )
+        missing = missing_pp_layer_ids(args) if self.pp_size > 1 else []
+        if missing:
+            # a PP stage holds a slice of the layers: without their ids nothing can be placed
+            raise ValueError(
+                f"pdwire: PP stage {self.pp_rank} of {self.pp_size} cannot place {', '.join(missing)} on "
+                "its peers: SGLang's KVArgs do not name those layers and pdwire cannot read them from "
+                "this model's pools (see docs/sglang.md, pipeline parallelism); run it without PP"
+            )
         try:
             self.memory = rank_memory(
                 args,
@@ -265,10 +297,16 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             on_slots_released=self._on_slots_released,
             on_connected=self._on_connected,
         )
-        self.thread = pd.WorkerThread(_Driver(self.worker, self.watched), name="pdwire-decode").start()
         self._groups: dict[tuple[str, int], Future[Any]] = {}
         self._connecting: dict[pd.PrefillGroup, Future[Any]] = {}  # worker thread only
         self._endpoints: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        # engine ids of prefill engines with ranks that take no new room (lost, or revoked and
+        # registering again), published by the worker thread after each step
+        self._unready: frozenset[str] = frozenset()
+        self._peer_marker: tuple[int, ...] | None = None
+        self._rechecked: dict[tuple[str, int], float] = {}
+        driver = _Driver(self.worker, self.watched, after_step=self._after_step)
+        self.thread = pd.WorkerThread(driver, name="pdwire-decode").start()
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
         return self.thread.submit(fn, *args, **kwargs)
@@ -301,6 +339,15 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             fut.set_exception(exc)
             return
         self._connecting[group] = fut
+
+    def _after_step(self) -> None:
+        """On the worker thread: publish which prefill engines have ranks out of service (read
+        again only after a loss, reconnect or revocation, or while some are)."""
+        stats = self.worker.stats
+        marker = (stats.peers_lost, stats.reconnects, stats.revocations, stats.unrevocable)
+        if marker != self._peer_marker or self._unready:
+            self._peer_marker = marker
+            self._unready = frozenset(str(p.engine_id) for p in self.worker.unready_peers)
 
     def _on_slots_released(self, room: int) -> None:
         self.released[room] = None
@@ -354,14 +401,23 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         the prefill instance is not fully registered (the scheduler retries)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
+        info = self._fetch_info(bootstrap_addr)
+        if info is None:
+            return False
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def _fetch_info(self, bootstrap_addr: str) -> PrefillServerInfo | None:
+        """``GET /route`` with every index -1: the prefill instance's topology, None while it is
+        not reachable or not fully registered; RuntimeError if it cannot feed this rank."""
         url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
         try:
             response = requests.get(url, timeout=5)
         except requests.RequestException as exc:
             logger.debug("pdwire: bootstrap %s not reachable: %s", bootstrap_addr, exc)
-            return False
+            return None
         if response.status_code != 200:
-            return False
+            return None
         data = response.json()
         fields = PrefillServerInfo.__dataclass_fields__
         info = PrefillServerInfo(**{k: v for k, v in data.items() if k in fields})
@@ -375,8 +431,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 f"pdwire: prefill {bootstrap_addr} uses KV dtype {info.kv_cache_dtype}, this decode "
                 f"{self.kv_cache_dtype_str}"
             )
-        self.prefill_info_table[bootstrap_addr] = info
-        return True
+        return info
 
     def _rank_endpoints(
         self, bootstrap_addr: str, dp_rank: int, info: PrefillServerInfo
@@ -396,23 +451,59 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 out.append(dict(response.json(), tp_rank=tp, pp_rank=pp))
         return out
 
+    def _restarted(self, key: tuple[str, int], group: Any) -> list[dict[str, Any]] | None:
+        """The endpoints ``key``'s prefill engine registers now, if they are not ``group``'s: it
+        was restarted (its ranks bind new ports). Asked only while a rank of ``group`` is out of
+        service, once a second at most; None while the bootstrap server names the same ranks
+        (the worker reconnects those itself) or cannot be reached (the engine is still down: its
+        rooms fail at once, ``peer_gone``)."""
+        addr, dp_rank = key
+        if not group.ready or group.engine_id not in self._unready:
+            return None
+        now = time.monotonic()
+        if now - self._rechecked.get(key, 0.0) < 1.0:
+            return None
+        self._rechecked[key] = now
+        try:
+            info = self._fetch_info(addr)
+            if info is None:
+                return None
+            ranks = self._rank_endpoints(addr, dp_rank, info)
+        except (requests.RequestException, RuntimeError, ValueError, TypeError) as exc:
+            log = logger.debug if isinstance(exc, requests.RequestException) else logger.warning
+            log("pdwire: prefill %s: cannot read its endpoints again: %s", addr, exc)
+            return None
+        if _tcp_endpoints(ranks) == list(group.endpoints):
+            return None
+        logger.warning(
+            "pdwire: prefill %s (DP group %d) registered new endpoints (restarted): connecting again",
+            addr, dp_rank,
+        )  # fmt: skip
+        self.prefill_info_table[addr] = info
+        return ranks
+
     def group(self, bootstrap_addr: str, dp_rank: int) -> Future[Any]:
         """The handshaken prefill DP group of ``bootstrap_addr`` (connected once, on the worker
-        thread; a failed handshake is forgotten so the next request tries again)."""
+        thread; a failed handshake is forgotten so the next request tries again, and a group
+        whose engine came back with new endpoints, restarted, is connected again)."""
         key = (bootstrap_addr, dp_rank)
         with self._lock:
             fut = self._groups.get(key)
+            ranks: list[dict[str, Any]] | None = None
             if fut is not None and not (fut.done() and fut.exception() is not None):
-                return fut
+                ranks = self._restarted(key, fut.result()) if fut.done() else None
+                if ranks is None:
+                    return fut
             info = self.prefill_info_table[bootstrap_addr]
-            try:
-                ranks = self._rank_endpoints(bootstrap_addr, dp_rank, info)
-            except (requests.RequestException, RuntimeError) as exc:
-                fut = Future()
-                fut.set_exception(exc)
-                return fut
+            if ranks is None:
+                try:
+                    ranks = self._rank_endpoints(bootstrap_addr, dp_rank, info)
+                except (requests.RequestException, RuntimeError) as exc:
+                    fut = Future()
+                    fut.set_exception(exc)
+                    return fut
             self._endpoints[key] = ranks
-            endpoints = [f"tcp://{_bracket(r['rank_ip'])}:{int(r['rank_port'])}" for r in ranks]
+            endpoints = _tcp_endpoints(ranks)
             fut = Future()  # resolved once the group is ready (or its handshake failed)
             started = self.submit(self._connect, endpoints, info.pp_size, fut)
 
@@ -448,6 +539,11 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _tcp_endpoints(ranks: list[dict[str, Any]]) -> list[str]:
+    """pdwire endpoints of the ranks ``GET /route`` named (``rank_ip``/``rank_port``)."""
+    return [f"tcp://{_bracket(r['rank_ip'])}:{int(r['rank_port'])}" for r in ranks]
 
 
 def _state_lists(state_indices: list[Any] | None, n: int, what: str) -> list[Any] | None:
@@ -655,6 +751,8 @@ class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.prefill_info = info
         self.prefill_dp_rank = int(prefill_dp_rank)
         self._group = self.kv_mgr.group(self.bootstrap_addr, self.prefill_dp_rank)
+        # the topology is read anew when the engine was restarted
+        self.prefill_info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr, info)
         self.bootstrap_infos = self.kv_mgr._endpoints.get((self.bootstrap_addr, self.prefill_dp_rank), [])
 
     def send_metadata(

@@ -64,6 +64,64 @@ def fill_decode_heads(args: Any) -> None:
         args.total_kv_head_num = heads[1]
 
 
+@dataclass(frozen=True, slots=True)
+class PoolLayers:
+    """Where a rank's layers sit in the model, read from SGLang's pools by the plugin's hooks on
+    the queues' ``_init_kv_manager`` where ``KVArgs`` leaves it out.
+
+    SGLang 0.5.23's ``KVArgs`` place a PP stage's layers for a ``HybridLinearKVPool`` (the
+    Mamba state's global ``state_layer_ids``; a ``prefill_start_layer`` that counts
+    full-attention layers) and for plain MHA/MLA pools (``start_layer``). For an ``SWAKVPool``
+    they carry no layer ids and ``prefill_start_layer`` is its ``start_layer``, which SWAKVPool
+    fixes at 0 on every PP stage; for Mamba state in the request pool no layer ids either. A PP
+    stage holds a slice of the layers, so pdwire needs them: ``kv_start`` is the
+    full-attention-relative index of the rank's first KV layer (None: SGLang's value holds;
+    ``kv_start_missing``: SGLang's value is wrong under PP and the right one unknown), ``state``
+    the layer ids per state kind, in the order of the component's layers (repeated per tensor
+    where the component has more buffers than layers)."""
+
+    kv_start: int | None = None
+    state: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    kv_start_missing: bool = False
+
+
+POOL_LAYERS: ContextVar[PoolLayers | None] = ContextVar("pdwire_pool_layers", default=None)
+
+
+def fill_layer_ids(args: Any) -> None:
+    """Complete ``args`` from :data:`POOL_LAYERS`: ``prefill_start_layer`` where the pool knows
+    better, ``state_layer_ids`` of components SGLang left without (a kind that occurs once, with
+    as many ids as buffers)."""
+    layers = POOL_LAYERS.get()
+    if layers is None:
+        return
+    if layers.kv_start is not None:
+        args.prefill_start_layer = layers.kv_start
+    kinds = state_kinds(args)
+    ids = [list(x) for x in (_get(args, "state_layer_ids") or [])]
+    ids += [[] for _ in range(len(kinds) - len(ids))]
+    ptrs = _get(args, "state_data_ptrs") or []
+    for kind, layer_ids in layers.state:
+        if kinds.count(kind) != 1 or not layer_ids:
+            continue
+        ci = kinds.index(kind)
+        n = len(ptrs[ci]) if ci < len(ptrs) else 0
+        if not ids[ci] and n and n % len(layer_ids) == 0:
+            ids[ci] = list(layer_ids) * (n // len(layer_ids))  # tensor-major x layer (SWA: K.., V..)
+    args.state_layer_ids = ids
+
+
+def missing_pp_layer_ids(args: Any) -> list[str]:
+    """What a PP stage cannot place on the other side: state components without layer ids, and
+    the KV start layer where the pool's is known to be wrong."""
+    kinds = state_kinds(args)
+    out = [f"state[{ci}]:{kind}" for ci, kind in enumerate(kinds) if not _has(args, "state_layer_ids", ci)]
+    layers = POOL_LAYERS.get()
+    if layers is not None and layers.kv_start_missing:
+        out.insert(0, "the KV start layer (model_config.full_attention_layer_ids unknown)")
+    return out
+
+
 class KVArgsError(ValueError):
     """KVArgs that cannot describe a rank's memory; names the field and component."""
 

@@ -18,8 +18,11 @@ bindings of modules that already imported the original.
 3. registers an AROUND hook on ``get_kv_class`` that answers pdwire's manager, sender, receiver
    and bootstrap server for ``TransferBackend.PDWIRE`` and defers to SGLang for every other
    backend (``KVArgs`` stays SGLang's for all of them);
-4. registers an AROUND hook on the decode queue's ``_init_kv_manager`` that hands a pdwire
-   manager the KV head counts SGLang's decode ``KVArgs`` leaves unset.
+4. registers AROUND hooks on the prefill and decode queues' ``_init_kv_manager`` that hand a
+   pdwire manager what SGLang's ``KVArgs`` leave out: the decode's KV head counts, and the
+   layers of pools that do not report them (an ``SWAKVPool``'s KV start layer and SWA layer
+   ids, the request pool's Mamba layer ids), which a PP stage needs
+   (:class:`~pdwire.integrations.sglang.memory.PoolLayers`).
 
 The classes themselves are imported only when SGLang asks for them.
 """
@@ -37,6 +40,7 @@ BACKEND_NAME = "pdwire"
 MEMBER_NAME = "PDWIRE"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 DECODE_INIT = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+PREFILL_INIT = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 
 
 def extend_enum(enum_cls: type[Enum], name: str, value: str) -> Enum:
@@ -83,10 +87,72 @@ def get_kv_class_hook(original: Callable[..., Any], transfer_backend: Any, class
     return _pdwire_classes().get(class_type)
 
 
+def pool_layers(pool: Any, req_pool: Any, model_config: Any) -> Any:
+    """The layers SGLang's pools know and its ``KVArgs`` leave out (``PoolLayers``).
+
+    * An ``SWAKVPool`` (and its unified subclasses) maps each of its global layer ids to
+      (sub-pool index, is SWA) in ``layers_mapping``: the SWA sub-pool's layer ids, and the
+      full-attention-relative index of its first full layer (from the model-wide
+      ``model_config.full_attention_layer_ids``) in place of its ``start_layer``, which is 0 on
+      every PP stage. ``kv_start_missing`` when the model's full-attention layers are unknown.
+    * Mamba state in the request pool (``HybridReqToTokenPool``): the Mamba pool's
+      ``get_state_layer_ids()``, which SGLang passes on only for a ``HybridLinearKVPool``."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from pdwire.integrations.sglang.memory import PoolLayers
+
+    state: list[tuple[str, tuple[int, ...]]] = []
+    kv_start: int | None = None
+    kv_start_missing = False
+    if isinstance(pool, SWAKVPool):
+        mapping = dict(getattr(pool, "layers_mapping", None) or {})
+        by_index = sorted(mapping.items(), key=lambda kv: kv[1][0])
+        swa = tuple(int(g) for g, (_, is_swa) in by_index if is_swa)
+        full = [int(g) for g, (_, is_swa) in by_index if not is_swa]
+        if swa:
+            state.append(("swa", swa))
+        model_full = getattr(model_config, "full_attention_layer_ids", None)
+        if full and model_full is not None:
+            kv_start = sum(1 for i in model_full if int(i) < min(full))
+        elif full:
+            kv_start_missing = True
+    get_ids = getattr(getattr(req_pool, "mamba_pool", None), "get_state_layer_ids", None)
+    if callable(get_ids):
+        mamba = tuple(int(i) for i in get_ids())
+        if mamba:
+            state.append(("mamba", mamba))
+    return PoolLayers(kv_start, tuple(state), kv_start_missing)
+
+
+def _with_pool_layers(
+    original: Callable[..., Any], queue: Any, req_pool: Any, *args: Any, **kwargs: Any
+) -> Any:
+    from pdwire.integrations.sglang.memory import POOL_LAYERS
+
+    try:
+        layers = pool_layers(queue.token_to_kv_pool, req_pool, queue.scheduler.model_config)
+    except Exception:  # a pool this SGLang build lays out otherwise: KVArgs as SGLang made them
+        logger.debug("pdwire: no layer ids from the pools", exc_info=True)
+        layers = None
+    token = POOL_LAYERS.set(layers)
+    try:
+        return original(queue, *args, **kwargs)
+    finally:
+        POOL_LAYERS.reset(token)
+
+
+def prefill_init_hook(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND SGLang's prefill ``_init_kv_manager``: hands the layers the pools know
+    (:func:`pool_layers`) to a pdwire manager built inside it; other backends ignore them."""
+    req_pool = getattr(getattr(queue, "scheduler", None), "req_to_token_pool", None)
+    return _with_pool_layers(original, queue, req_pool, *args, **kwargs)
+
+
 def decode_init_hook(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND SGLang's decode ``_init_kv_manager``: hands the KV head counts SGLang's decode
-    ``KVArgs`` leaves unset (per rank from the pool, the model's from the model config) to a
-    pdwire manager built inside it; other backends ignore them."""
+    ``KVArgs`` leaves unset (per rank from the pool, the model's from the model config) and the
+    layers the pools know (:func:`pool_layers`) to a pdwire manager built inside it; other
+    backends ignore them."""
     from pdwire.integrations.sglang.memory import DECODE_KV_HEADS
 
     heads = None
@@ -98,7 +164,7 @@ def decode_init_hook(original: Callable[..., Any], queue: Any, *args: Any, **kwa
         pass
     token = DECODE_KV_HEADS.set(heads)
     try:
-        return original(queue, *args, **kwargs)
+        return _with_pool_layers(original, queue, getattr(queue, "req_to_token_pool", None), *args, **kwargs)
     finally:
         DECODE_KV_HEADS.reset(token)
 
@@ -115,7 +181,12 @@ def register() -> None:
     extend_enum(TransferBackend, MEMBER_NAME, BACKEND_NAME)
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
-    for target, fn in ((GET_KV_CLASS, get_kv_class_hook), (DECODE_INIT, decode_init_hook)):
+    hooks = (
+        (GET_KV_CLASS, get_kv_class_hook),
+        (DECODE_INIT, decode_init_hook),
+        (PREFILL_INIT, prefill_init_hook),
+    )
+    for target, fn in hooks:
         if not any(hook is fn for _, hook, _ in HookRegistry._hooks.get(target, [])):
             HookRegistry.register(target, fn, HookType.AROUND)
     logger.info("pdwire: transfer backend %r registered with SGLang", BACKEND_NAME)
