@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -171,15 +172,27 @@ class Cluster:
         shared memory), waiting up to ``timeout_s``; kill the ones that did not exit. Returns
         how many rank processes there were."""
         procs = [p for g in self.groups for p in g.procs]
-        for g in self.groups:
-            for p, c in zip(g.procs, g.conns, strict=True):
-                if p.is_alive() and not c.closed:
-                    with contextlib.suppress(OSError):
-                        c.send(("stop",))
+        conns = [c for g in self.groups for p, c in zip(g.procs, g.conns, strict=True) if p.is_alive()]
+        # A rank interrupted mid-wave may be blocked writing results to us while its own command
+        # pipe is full: a plain send of "stop" would then block both sides for good. So each stop
+        # goes out on a thread of its own, and meanwhile we read (and drop) what the ranks send,
+        # which lets them reach the stop; a rank still alive at the deadline is killed by close().
+        for c in conns:
+            threading.Thread(target=_send_stop, args=(c,), daemon=True).start()
         end = time.monotonic() + timeout_s
         try:
-            for p in procs:
-                p.join(max(0.0, end - time.monotonic()))
+            while any(p.is_alive() for p in procs) and time.monotonic() < end:
+                open_conns = [c for c in conns if not c.closed]
+                ready = wait(open_conns, timeout=0.05) if open_conns else []
+                for c in open_conns:
+                    if c not in ready:
+                        continue
+                    try:
+                        c.recv()
+                    except (EOFError, OSError):
+                        conns.remove(c)
+                if not open_conns:
+                    time.sleep(0.05)
         finally:
             self.close()
         return len(procs)
@@ -363,3 +376,9 @@ def busy_seconds(spans: Sequence[tuple[float, float]], window: tuple[float, floa
         total += b - max(a, end)
         end = b
     return total
+
+
+def _send_stop(conn: Connection) -> None:
+    """Ask one rank to stop (see :meth:`Cluster.shutdown`); a rank that is gone is no error."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(("stop",))
