@@ -14,7 +14,8 @@ Per request (decode's clock; prefill and decode share CLOCK_MONOTONIC on one hos
 * overhead = latency - data: control messages, planning, posting, notification delivery.
 
 At 64 concurrent requests the amortised figure is (batch wall - union of data spans) / 64,
-where batch wall runs from the first TransferRequest to the last Success.
+where batch wall runs from the first TransferRequest to the last Success; wall/request is the
+batch wall / 64 itself (no split into data and control, so it compares builds whose posts differ).
 
 Baselines measured in the same run: a raw pyzmq DEALER/ROUTER round trip between two
 processes carrying the same encoded TransferRequest and TransferStatus frames (the floor of
@@ -117,8 +118,12 @@ def codec_baseline(n: int = 20000) -> float:
 
 
 def measure(backend: str, rounds: int) -> dict[str, Any]:
-    from pdwire.runtime.demo.cluster import Cluster, busy_seconds
-    from pdwire.runtime.demo.model import Capacity, ModelSpec
+    try:
+        from pdwire.runtime.demo.cluster import Cluster, busy_seconds
+        from pdwire.runtime.demo.model import Capacity, ModelSpec
+    except ImportError:  # builds before the demo became a package (control_plane_ab.py runs them)
+        from pdwire.runtime.demo_cluster import Cluster, busy_seconds  # type: ignore[no-redef,import-not-found]
+        from pdwire.runtime.demo_model import Capacity, ModelSpec  # type: ignore[no-redef,import-not-found]
 
     spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
                      ssm_heads=2, ssm_head_dim=4, ssm_state=4, swa_layers=1, swa_window_pages=1)  # fmt: skip
@@ -134,6 +139,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
             data: list[float] = []
             overhead: list[float] = []
             amortised: list[float] = []
+            wall_per_request: list[float] = []
             for _ in range(rounds):
                 batch = 30 if conc == 1 else conc
                 rooms = list(range(room, room + batch))
@@ -163,6 +169,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                     wall = window[1] - window[0]
                     busy = busy_seconds([spans[r.room] for r in results], window)
                     amortised.append((wall - busy) / len(results))
+                    wall_per_request.append(wall / len(results))
             key = f"c{conc}"
             out[key] = {
                 "requests": len(per_req),
@@ -171,6 +178,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                 "data_p50_us": statistics.median(data) * 1e6,
                 "overhead_p50_us": statistics.median(overhead) * 1e6,
                 "amortised_us": statistics.median(amortised) * 1e6 if amortised else None,
+                "wall_per_request_us": statistics.median(wall_per_request) * 1e6 if amortised else None,
             }
         c.stop(dec)
         c.stop(pre)
@@ -195,17 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline: encode+decode of TransferRequest + TransferStatus + Notification: {codec:.1f} us")
     print()
     cols = "backend | concurrent | requests | latency p50 | latency p99 | data p50 | overhead p50"
-    print(f"| {cols} | amortised/request |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {cols} | amortised/request | wall/request |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
         r = measure(backend, args.rounds)
         for conc in (1, 64):
             m = r[f"c{conc}"]
             am = f"{m['amortised_us'] / 1e3:.3f} ms" if m["amortised_us"] is not None else "-"
+            wall = f"{m['wall_per_request_us'] / 1e3:.3f} ms" if m["wall_per_request_us"] is not None else "-"
             print(
                 f"| {backend} | {conc} | {m['requests']} | {m['latency_p50_us'] / 1e3:.3f} ms | "
                 f"{m['latency_p99_us'] / 1e3:.3f} ms | {m['data_p50_us'] / 1e3:.3f} ms | "
-                f"{m['overhead_p50_us'] / 1e3:.3f} ms | {am} |"
+                f"{m['overhead_p50_us'] / 1e3:.3f} ms | {am} | {wall} |"
             )
         sys.stdout.flush()
     print()
