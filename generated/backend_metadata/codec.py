@@ -17,10 +17,10 @@ _wc.require(3, __name__)
 
 PROTOCOL = "backend_metadata"
 PROTOCOL_ID = 3
-VERSIONS: tuple[tuple[int, int], ...] = ((1, 0),)
+VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
 """Every version this build reads and writes, oldest first."""
 NEWEST = VERSIONS[-1]
-SUPPORTED: tuple[tuple[int, int], ...] = ((1, 0),)
+SUPPORTED: tuple[tuple[int, int], ...] = ((1, 1),)
 """Highest minor per major, as a Hello advertises it."""
 
 REGISTRY = _env.Registry(

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 Version = tuple[int, int]
 
-VERSIONS: Final[tuple[Version, ...]] = ((1, 0),)
+VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1))
 
 # message -> the version it appeared in
 MESSAGES: Final[dict[str, Version]] = {
@@ -44,6 +44,7 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("AgentMetadata", "window"): (1, 0),
     ("AgentMetadata", "ucx_devices"): (1, 0),
     ("AgentMetadata", "addresses"): (1, 0),
+    ("AgentMetadata", "proof"): (1, 1),
 }
 
 # (message, field) -> the version writers stopped sending it in

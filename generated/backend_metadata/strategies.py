@@ -81,11 +81,16 @@ def _v1_AgentMetadata(v: int) -> st.SearchStrategy[v1.AgentMetadata]:
     fields["window"] = st.lists(st.integers(0, 18446744073709551615), max_size=4)
     fields["ucx_devices"] = _text
     fields["addresses"] = st.lists(_text, max_size=4)
+    if v >= 1:
+        fields["proof"] = _blob
     return st.builds(v1.AgentMetadata, **fields)
 
 
 STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]]] = {
     (1, 0): {
         "AgentMetadata": lambda: _v1_AgentMetadata(0),
+    },
+    (1, 1): {
+        "AgentMetadata": lambda: _v1_AgentMetadata(1),
     },
 }

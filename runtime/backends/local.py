@@ -17,6 +17,9 @@ window if it gave one) must lie inside that process's ``/memfd:pdwire-*`` shared
 memory its backend allocated. A peer naming this process is refused unless it names another,
 live local backend of this process (an in-process pair) and that backend's allocated memory;
 never this backend's own.
+Last, the metadata must carry a proof of possession of that inbox (:mod:`.possession`: an
+HMAC keyed with the secret token the backend keeps in an owner-only file of its inbox), so a
+registered peer cannot name another live local backend of the host it does not run as.
 
 Revocation works like on the other engines: memory from :meth:`LocalBackend.allocate` is a
 memfd, and a peer given ``local_metadata(for_peer=...)`` writes through its own window,
@@ -39,7 +42,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.backends import peer_memory, shm
+from pdwire.runtime.backends import peer_memory, possession, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
@@ -123,6 +126,11 @@ class LocalBackend(JobTransfers, Backend):
         shm.reap_dead()
         self._stem = shm.make_stem(os.urandom(4).hex())
         self._inbox = shm.Inbox.create(f"{self._stem}.inbox")
+        try:  # the secret behind the proof of possession our metadata carries (.possession)
+            self._token = possession.create_token(self._inbox.fd)
+        except BaseException:
+            self._inbox.close()
+            raise
         # completions (our worker thread) and notifications (a peer pokes the inbox's socket
         # after dropping one in) wake the owner's poller
         self._waker = Waker()
@@ -140,7 +148,8 @@ class LocalBackend(JobTransfers, Backend):
         pass  # the kernel needs no registration: any mapped memory can be written
 
     def _local_metadata(self, window: list[int] | None) -> PeerMetadata:
-        extra: dict[str, object] = {"inbox": self._inbox.path}
+        proof = possession.proof(self._token, self.agent_name, os.getpid(), self._inbox.path)
+        extra: dict[str, object] = {"inbox": self._inbox.path, "proof": proof}
         if window:
             extra["window"] = window
         return PeerMetadata(
@@ -163,6 +172,7 @@ class LocalBackend(JobTransfers, Backend):
         peer = Peer(md.agent_name, md.regions, md.pid, target, dst_delta=md.window)
         try:
             self._check_writable(peer)
+            self._check_possession(peer, md.extra.get("proof", b""))
             if target.gone():
                 raise PeerError(f"peer {md.agent_name!r} (pid {md.pid}) exited during the handshake")
         except BaseException:
@@ -208,6 +218,23 @@ class LocalBackend(JobTransfers, Backend):
         problem = peer_memory.destination_problem(_destinations(peer), spans)
         if problem is not None:
             raise PeerError(f"{who}: {problem}; the local backend writes nowhere else")
+
+    def _check_possession(self, peer: Peer, claimed: bytes) -> None:
+        """Refuse a peer whose metadata was not made by the backend owning the inbox it names
+        (:mod:`.possession`): the /proc checks above prove that pid, inbox and memory are some
+        live local backend's, this proves they are the sender's own."""
+        inbox = peer.engine.inbox
+        try:
+            uid = os.stat(f"/proc/{peer.pid}").st_uid
+        except OSError as exc:
+            raise PeerError(
+                f"peer {peer.agent_name!r} (pid {peer.pid}) cannot be checked: {exc.strerror}"
+            ) from None
+        problem = possession.proof_problem(inbox, uid, peer.agent_name, peer.pid, claimed)
+        if problem is not None:
+            raise possession.NotPossessed(
+                f"peer {peer.agent_name!r} (pid {peer.pid}), inbox {inbox!r}: {problem}; refused"
+            )
 
     def _allocated_spans(self) -> list[tuple[int, int]]:
         """[start, end) of this backend's allocate()d memory and its live windows, sorted."""

@@ -24,7 +24,13 @@ from pdwire.runtime.descriptors import MemoryKind, Region
 from pdwire.wire import backend_metadata as _bm
 
 # what a backend may add beside the regions: envelope field -> the Python type it holds
-_EXTRA: dict[str, type] = {"inbox": str, "window": list, "ucx_devices": str, "addresses": list}
+_EXTRA: dict[str, type] = {
+    "inbox": str,
+    "window": list,
+    "ucx_devices": str,
+    "addresses": list,
+    "proof": bytes,  # local: proof of possession of the inbox (runtime/backends/possession.py)
+}
 
 
 def encode_envelope(
@@ -35,7 +41,7 @@ def encode_envelope(
     extra: dict[str, Any] | None = None,
 ) -> bytes:
     """``extra`` holds what a backend adds (``inbox``, ``window``, ``ucx_devices``,
-    ``addresses``); any other key is a programming error (the schema has no place for it)."""
+    ``addresses``, ``proof``); any other key is a programming error (the schema has no place for it)."""
     unknown = sorted(set(extra or {}) - _EXTRA.keys())
     if unknown:
         raise ValueError(f"backend metadata has no field {', '.join(unknown)} (schema/backend_metadata.yaml)")

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdwire.runtime.backends import shm
+from pdwire.runtime.backends import possession, shm
 from pdwire.runtime.backends.errors import BackendError, PeerError
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import PeerMetadata
@@ -106,10 +106,10 @@ def test_an_envelope_of_another_major_or_protocol_is_refused_by_name(
     """The header (schema/backend_metadata.yaml) names the protocol and version: a peer whose
     envelope this build cannot read is refused saying so, before any field is looked at."""
     target, writer = pair
-    magic, _, _, minor, type_id, sides = struct.unpack(
+    magic, _, _, _minor, type_id, sides = struct.unpack(
         "<4sHBBHH", target.local_metadata().agent_metadata[:HEADER]
     )
-    header = struct.pack("<4sHBBHH", magic, protocol_id, major, minor, type_id, sides)
+    header = struct.pack("<4sHBBHH", magic, protocol_id, major, 0, type_id, sides)
     with pytest.raises(PeerError, match=needle):
         add(writer, envelope(target), header=header)
 
@@ -178,7 +178,7 @@ def test_garbage_files_and_directories_in_the_inbox_are_skipped_and_counted(pair
     shm.send(inbox.path, "writer", b"a real one")
     assert target.receive_notifications()[-1].payload == b"a real one"  # must not raise
     assert inbox.skipped - before == 4
-    # nothing left to trip over on the next receive: only the inbox's own wake-up socket (a dot
-    # name, never read as a message) stays
-    assert os.listdir(inbox.path) == [WAKE_NAME]
+    # nothing left to trip over on the next receive: only the inbox's own wake-up socket and its
+    # proof-of-possession token (dot names, never read as messages) stay
+    assert sorted(os.listdir(inbox.path)) == sorted([WAKE_NAME, possession.TOKEN_NAME])
     assert os.path.exists("/etc/passwd")
