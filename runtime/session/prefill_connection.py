@@ -20,6 +20,11 @@ handshake and every version rule of it:
   answered Failed (validation) at once.
 * ``Abort``: passed on for the room. Anything else is a :class:`~.events.Problem`.
 
+Before a registered peer's message is decoded the edge asks :meth:`PrefillConnection.oversized`:
+a message larger than the largest legal one for the peer's registered pools
+(:mod:`.message_bounds`, from the registration and the schema) is refused undecoded, and the
+edge drops that peer.
+
 The builders (:meth:`status`, :meth:`abort_ack`, :meth:`notification`) turn the session's
 actions into messages in the form the agreed version needs (typed failure kinds from their
 ``since``, a ``"<kind>: "`` reason prefix before).
@@ -53,6 +58,7 @@ from pdwire.runtime.session.hello import (
     check_descriptors,
     check_hello,
 )
+from pdwire.runtime.session.message_bounds import MessageLimits, MessageTooLarge, peer_limits
 from pdwire.runtime.session.prefill_room import Destination, Target
 from pdwire.runtime.session.registration import check_layout_version, join_region_descs, remote_memory
 from pdwire.runtime.session.status import Status
@@ -95,6 +101,9 @@ class PrefillConnection:
         self.refusal: str | None = None
         self._hello: wire.Hello | None = None  # the peer's accepted Hello, to check its registration
         self._pending: PeerPlan | None = None  # prepared, waiting for the engine's add_peer
+        # the largest legal messages of the registered peer (of the pending registration)
+        self.limits: MessageLimits | None = None
+        self._pending_limits: MessageLimits | None = None
 
     @property
     def registered(self) -> bool:
@@ -113,6 +122,13 @@ class PrefillConnection:
             return [] if self.peer is None else [AbortRequested(int(msg.room), self.peer)]
         return [Problem(f"unexpected {type(msg).__name__} from decode peer {self.peer or '(no Hello yet)'}")]
 
+    def oversized(self, frames: Sequence[bytes]) -> MessageTooLarge | None:
+        """Whether ``frames`` (one message from the peer, undecoded) are larger than any legal
+        message of that type for the registered peer; None before a registration."""
+        if self.limits is None or not self.registered:
+            return None
+        return self.limits.excess(frames)
+
     def undecodable(self, error: str) -> list[PrefillEvent]:
         """A message from the peer did not decode; a first one is answered with our Hello so the
         peer can name the skew."""
@@ -126,6 +142,7 @@ class PrefillConnection:
 
     def _on_hello(self, hello: wire.Hello) -> list[PrefillEvent]:
         self.plan = self._pending = self._hello = None
+        self.limits = self._pending_limits = None
         try:
             self.version = check_hello(self.local.hello, hello)
             check_descriptors(
@@ -156,6 +173,7 @@ class PrefillConnection:
             remote = remote_memory(info, self.local.memory)
             plan = prepare_peer(self.local.memory, remote)
             descs = join_region_descs(info, remote)
+            limits = peer_limits(remote, info.endpoint, self.version)
         except (HandshakeError, PlanError) as exc:
             return [self._refuse_registration(f"{type(exc).__name__}: {exc}")]
         except Exception as exc:
@@ -163,7 +181,7 @@ class PrefillConnection:
             # divisor, an overflow, a wrong type) refuses that peer, never the rank
             reason = f"malformed RegisterInfo ({type(exc).__name__}: {exc})"
             return [self._refuse_registration(reason)]
-        self._pending, self.state = plan, PrefillConnState.ADDING_PEER
+        self._pending, self._pending_limits, self.state = plan, limits, PrefillConnState.ADDING_PEER
         return [AddPeer(self.peer, info.agent_name, bytes(info.agent_metadata), descs)]
 
     def _check_against_hello(self, info: wire.RegisterInfo) -> None:
@@ -184,12 +202,13 @@ class PrefillConnection:
         """The engine added the peer of the last :class:`~.events.AddPeer`: registered."""
         assert self.state is PrefillConnState.ADDING_PEER and self.peer is not None
         self.plan, self._pending, self.state = self._pending, None, PrefillConnState.READY
+        self.limits, self._pending_limits = self._pending_limits, None
         return [Send(self._register_answer(None), self.version), Registered(self.peer)]
 
     def peer_refused(self, reason: str) -> list[PrefillEvent]:
         """The engine could not add the peer: the registration is refused with ``reason``."""
         assert self.state is PrefillConnState.ADDING_PEER
-        self._pending, self.state = None, PrefillConnState.AWAIT_REGISTRATION
+        self._pending, self._pending_limits, self.state = None, None, PrefillConnState.AWAIT_REGISTRATION
         return [self._refuse_registration(reason)]
 
     def _refuse_registration(self, reason: str) -> Send:

@@ -132,6 +132,7 @@ class PrefillStats:
     handshakes_refused: int = 0  # ZMTP handshakes refused at the socket (no CURVE, unknown key, garbage)
     restarts: int = 0  # registrations taken over from an older connection of the same decode rank
     takeovers_refused: int = 0  # registrations refused: the rank is registered on a live connection
+    messages_too_large: int = 0  # messages past the largest legal one for their peer's registration
 
 
 @dataclass
@@ -383,6 +384,11 @@ class PrefillWorker:
                 if self.auth is not None:  # libzmq admitted only a key ZAP accepted
                     self._key_of[identity] = str(parts[-1].get("User-Id")).encode()
             try:
+                too_large = conn.oversized(frames[1:])  # reads the header frame only
+                if too_large is not None:
+                    self.stats.messages_too_large += 1
+                    self._fail_peer(identity, conn, too_large)
+                    continue
                 try:
                     msg = wire.decode(frames[1:])
                 except wire.WireError as exc:
