@@ -70,15 +70,27 @@ class DatagramWaker:
             os.unlink(self.path)
 
 
+class _PokeSocket:
+    """One thread's unbound datagram socket for :func:`poke`: made on the thread's first poke,
+    closed when the thread ends and drops its thread-local values (not left to the collector,
+    which would warn about an unclosed socket)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+
+    def __del__(self) -> None:
+        self.sock.close()
+
+
 _poker = threading.local()
 
 
 def poke(path: str) -> None:
     """Send one wake-up datagram to ``path``; nothing happens if nobody listens there (an
     older peer, a closed one) or its queue is full (it is awake already)."""
-    sock: socket.socket | None = getattr(_poker, "sock", None)
-    if sock is None:
-        sock = _poker.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
+    own: _PokeSocket | None = getattr(_poker, "own", None)
+    if own is None:
+        own = _poker.own = _PokeSocket()
     with contextlib.suppress(OSError):
-        sock.sendto(b"\0", path)
+        own.sock.sendto(b"\0", path)

@@ -5,11 +5,17 @@ no descriptor (its workers poll it)."""
 
 from __future__ import annotations
 
+import gc
 import select
+import sys
+import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pdwire.runtime.backends import TransferState
+from pdwire.runtime.backends.wakeup import DatagramWaker, poke
 
 from tests.backends.test_conformance import MiB, mib_table, pair, params
 
@@ -43,3 +49,22 @@ def test_wakeup_descriptors_turn_readable_on_completion_and_notification(name: s
         assert not readable(b.wakeup_fds(), 0)
     a.close()
     assert a.wakeup_fds() == ()  # a closed backend offers nothing to wait on
+
+
+def test_the_socket_a_thread_pokes_with_is_closed_when_the_thread_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unraisable: list[BaseException | None] = []  # an unclosed socket warns from its finalizer
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
+    waker = DatagramWaker(str(tmp_path / "wake"))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            thread = threading.Thread(target=poke, args=(waker.path,))
+            thread.start()
+            thread.join()
+            gc.collect()
+        assert unraisable == []
+        assert readable((waker.fd,), 5)  # and the poke arrived
+    finally:
+        waker.close()

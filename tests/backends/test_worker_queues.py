@@ -74,4 +74,3 @@ def test_mooncake_runs_a_peers_transfers_side_by_side(backends: Any) -> None:
         assert a.wait(h, timeout_s=30).state is TransferState.DONE
     finally:
         gate.set()
-
