@@ -516,6 +516,15 @@ class PrefillWorker:
                 log_refusal(f"registration of {e.peer} from a new connection refused: {refusal}")
                 return conn.peer_refused(refusal)
             self._retire(e.peer, old)
+        peers = self._backend_peers.items()
+        holder = next((ref for ref, bp in peers if bp.agent_name == e.agent_name and ref != e.peer), None)
+        if holder is not None:
+            # the engine keys its peers by agent name: adding it again would replace (and cut
+            # off) the live registration of another decode rank
+            refusal = f"agent name {e.agent_name!r} is registered by {holder}, a live decode rank"
+            self.stats.failures.append(f"registration of {e.peer} refused: {refusal}")
+            log_refusal(f"registration of {e.peer} refused: {refusal}")
+            return conn.peer_refused(refusal)
         try:
             peer = self.backend.add_peer(PeerMetadata(e.agent_name, e.agent_metadata, e.region_descs))
         except BackendError as exc:

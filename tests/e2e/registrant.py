@@ -4,6 +4,8 @@ rank 0 of SPEC on a local backend, connected to one prefill endpoint.
 ``python -m tests.e2e.registrant ENDPOINT [KEYDIR]`` (no KEYDIR: an unauthenticated control
 plane) prints ``ready`` once registered, or ``refused <reason>``, then serves until its stdin
 closes; ``room N`` on stdin asks for room N (24 tokens) and prints ``finished N STATUS reason``.
+``REGISTRANT_ENGINE`` and ``REGISTRANT_AGENT`` in the environment change its engine id and its
+backend's agent name.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from tests.e2e.conftest import SPEC, decode_config, room_slots, worker_caches
 
 def main(endpoint: str, keys: str | None) -> int:
     auth = {"control_auth": ControlAuth.from_directory(keys)} if keys else {"insecure_control": True}
-    backend = LocalBackend(agent_name=f"registrant-{os.getpid()}")
+    backend = LocalBackend(agent_name=os.environ.get("REGISTRANT_AGENT", f"registrant-{os.getpid()}"))
     caches = worker_caches(backend)
 
     def finished(room: int, status: Status, failure: Failure | None) -> None:
         print(f"finished {room} {status.name} {failure.reason if failure else ''}", flush=True)
 
-    config = decode_config(**auth, room_timeout_s=120)
+    config = decode_config(os.environ.get("REGISTRANT_ENGINE", "dec"), **auth, room_timeout_s=120)
     with DecodeWorker(config, caches.memory, backend=backend, on_finished=finished) as dec:
         group = dec.connect([endpoint], timeout_s=20)  # returns at once, CONNECTING
         try:

@@ -152,10 +152,11 @@ def test_without_keys_a_worker_refuses_to_start_unless_told_to_run_unauthenticat
 class Registrant:
     """``tests/e2e/registrant.py`` in its own process: decode engine "dec" rank 0."""
 
-    def __init__(self, p: WorkerPair, keys: Path | None) -> None:
+    def __init__(self, p: WorkerPair, keys: Path | None, **env: str) -> None:
         self.p = p
         argv = [sys.executable, "-m", "tests.e2e.registrant", p.pre.endpoint, *([str(keys)] if keys else [])]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        pipe, env = subprocess.PIPE, {**os.environ, **env}
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=pipe, stdout=pipe, text=True, env=env)
 
     def line(self, timeout_s: float = 60) -> str:
         """The next line it prints, stepping both workers of the pair meanwhile."""
@@ -196,6 +197,18 @@ def test_a_process_claiming_a_live_decode_rank_is_refused(secure: bool, tmp_path
         assert answer.startswith("refused") and "registered on a live connection" in answer, answer
         assert p.pre.stats.takeovers_refused == 1 and p.pre.stats.restarts == 0
         assert run_room(p, 5)[1] is Status.SUCCESS  # the real rank's connection is untouched
+
+
+def test_another_rank_registering_a_live_ranks_agent_name_is_refused_and_the_live_rank_served() -> None:
+    # the engine keys peers by agent name: accepting it would replace the live rank's entry
+    with worker_pair() as p:
+        thief = Registrant(p, None, REGISTRANT_ENGINE="dec-other", REGISTRANT_AGENT=p.db.agent_name)
+        try:
+            answer = thief.line()
+        finally:
+            thief.close()
+        assert answer.startswith("refused") and f"agent name {p.db.agent_name!r} is registered by" in answer
+        assert run_room(p, 5)[1] is Status.SUCCESS  # the live rank's peer entry is untouched
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["insecure", "curve"])
