@@ -136,8 +136,12 @@ class MoriBackend(Backend):
                 raise PeerError(
                     f"peer {md.agent_name!r}: memory descriptor {i} does not describe region {r.name!r}"
                 )
+        inbox = md.extra.get("inbox", "")
+        problem = shm.inbox_problem(inbox, md.pid)  # notifications are files written into it
+        if problem is not None:
+            raise PeerError(f"peer {md.agent_name!r}: inbox {inbox!r}: {problem}")
         self._engine.register_remote_engine(edesc)
-        return Peer(md.agent_name, md.regions, md.pid, _Remote(edesc, mdescs, str(md.extra.get("inbox", ""))))
+        return Peer(md.agent_name, md.regions, md.pid, _Remote(edesc, mdescs, str(inbox)))
 
     def _remove_peer(self, peer: Peer) -> None:
         if peer.agent_name in self._peers:

@@ -182,3 +182,21 @@ def test_garbage_files_and_directories_in_the_inbox_are_skipped_and_counted(pair
     # proof-of-possession token (dot names, never read as messages) stay
     assert sorted(os.listdir(inbox.path)) == sorted([WAKE_NAME, possession.TOKEN_NAME])
     assert os.path.exists("/etc/passwd")
+
+
+@pytest.mark.parametrize(
+    "inbox", ["/tmp", "/dev/shm/pdwire-1-00000000.inbox", "/dev/shm/pdwire-/../../etc", 7]
+)
+def test_a_mori_peer_naming_an_inbox_not_its_own_is_refused(backends: Any, inbox: Any) -> None:
+    """MoRI's notifications are files this side writes into the inbox the peer names: the same
+    rule as the local backend's (only its own, under /dev/shm, a real directory of its user)."""
+    target, writer = backends("mori-fake", agent_name="target"), backends("mori-fake", agent_name="writer")
+    buf = target.allocate("kv", 1 << 16)
+    target.register([buf.region()])
+    md = target.local_metadata()
+    writer.remove_peer(writer.add_peer(md))  # the real metadata is accepted
+    env = msgspec.msgpack.decode(md.agent_metadata[HEADER:])
+    env[5] = inbox
+    forged = md.agent_metadata[:HEADER] + msgspec.msgpack.encode(env)
+    with pytest.raises(PeerError, match="inbox"):
+        writer.add_peer(PeerMetadata("target", forged, md.region_descs))
