@@ -20,7 +20,7 @@ from typing import Any, Final
 
 Version = tuple[int, int]
 
-VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6))
+VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7))
 
 # message -> the version it appeared in
 MESSAGES: Final[dict[str, Version]] = {
@@ -153,6 +153,8 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterAck", "sender_rank"): (1, 2),
     ("RegisterAck", "failure_kind"): (1, 2),
     ("RegisterAck", "reason"): (1, 2),
+    ("RegisterAck", "kv_layers"): (1, 7),
+    ("RegisterAck", "state_layers"): (1, 7),
 }
 
 # (message, field) -> the version writers stopped sending it in

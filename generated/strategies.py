@@ -251,6 +251,9 @@ def _v1_RegisterAck(v: int) -> st.SearchStrategy[v1.RegisterAck]:
         fields["sender_rank"] = st.integers(0, 4294967295)
         fields["failure_kind"] = _enum(v1.FailureKind, v)
         fields["reason"] = _text
+    if v >= 7:
+        fields["kv_layers"] = _array(_a.U32)
+        fields["state_layers"] = st.lists(_array(_a.U32), max_size=4)
     return st.builds(v1.RegisterAck, **fields)
 
 
@@ -322,5 +325,15 @@ STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]
         "Abort": lambda: _v1_Abort(6),
         "AbortAck": lambda: _v1_AbortAck(6),
         "RegisterAck": lambda: _v1_RegisterAck(6),
+    },
+    (1, 7): {
+        "Hello": lambda: _v1_Hello(7),
+        "RegisterInfo": lambda: _v1_RegisterInfo(7),
+        "TransferRequest": lambda: _v1_TransferRequest(7),
+        "TransferStatus": lambda: _v1_TransferStatus(7),
+        "Notification": lambda: _v1_Notification(7),
+        "Abort": lambda: _v1_Abort(7),
+        "AbortAck": lambda: _v1_AbortAck(7),
+        "RegisterAck": lambda: _v1_RegisterAck(7),
     },
 }

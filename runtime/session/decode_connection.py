@@ -41,8 +41,14 @@ from pdwire.runtime.session.events import (
     completion,
 )
 from pdwire.runtime.session.failures import Failure, HandshakeError, failure_from_wire
-from pdwire.runtime.session.hello import REGISTER_ACK_SINCE, check_descriptors, check_hello
+from pdwire.runtime.session.hello import (
+    REGISTER_ACK_SINCE,
+    STAGE_LAYERS_SINCE,
+    check_descriptors,
+    check_hello,
+)
 from pdwire.runtime.session.registration import check_layout_version, register_info
+from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
@@ -267,7 +273,10 @@ class DecodeConnection:
             why = failure_from_wire(msg.failure_kind, msg.reason)
             return self._refuse(f"prefill {self.peer.engine_id!r} refused the registration: {why.reason}")
         self.state = DecodeConnState.READY
-        return [Ready(self.peer, self.position, self.version)]
+        layers = None
+        if self.version >= STAGE_LAYERS_SINCE and isinstance(msg, wire.RegisterAck):
+            layers = HeldLayers(_ids(msg.kv_layers), tuple(_ids(ids) for ids in msg.state_layers))
+        return [Ready(self.peer, self.position, self.version, layers)]
 
     def _on_room_message(self, msg: wire.Message) -> list[DecodeEvent]:
         if isinstance(msg, wire.TransferStatus):
@@ -302,3 +311,7 @@ class DecodeConnection:
 
     def abort(self, room: int, failure: Failure) -> wire.Abort:
         return wire.Abort(room=room, sender=self.local.endpoint, reason=failure.reason)
+
+
+def _ids(layers: np.ndarray) -> tuple[int, ...]:  # type: ignore[type-arg]
+    return tuple(int(x) for x in layers)

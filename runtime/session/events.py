@@ -13,6 +13,7 @@ from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.session.failures import Failure
 from pdwire.runtime.session.prefill_room import Target
+from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
@@ -80,6 +81,7 @@ class Ready:
     peer: PeerRef
     position: ParallelRank
     version: tuple[int, int]
+    layers: HeldLayers | None = None  # the layers it holds (from 1.7; None: an older peer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@ this machine orders them (one after another: with NIXL 1.5.1, two prefill proces
 same decode agent at the same moment left one's writes pending until their timeout), checks
 that the ranks are one group, and holds the rooms asked of the group before it is ready.
 
-``CONNECTING`` -> ``READY`` (every rank registered, all of one engine and DP group) or
-``FAILED`` (a rank refused, the handshake deadline passed, or the ranks are not one group).
+``CONNECTING`` -> ``READY`` (every rank registered, all of one engine and DP group, and, when
+every rank named the layers it holds (1.7), its PP stages hold each of this rank's layers once:
+:mod:`.stage_layers`) or ``FAILED`` (a rank refused, the handshake deadline passed, or the ranks
+are not one group or leave layers unwritten).
 A held room waits inside its own deadline: it starts when the group becomes ready, and fails
 typed (``handshake`` with the cause, or ``timeout`` at its deadline) otherwise. Nothing was
 sent for a held room, so no writer can touch its slots: they are the engine's again at once.
@@ -26,6 +28,7 @@ from enum import Enum
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.decode_connection import Expected
 from pdwire.runtime.session.failures import Failure, FailureKind
+from pdwire.runtime.session.stage_layers import HeldLayers, coverage_problem
 
 
 class GroupState(Enum):
@@ -101,13 +104,19 @@ GroupAction = OpenLink | GroupConnected | GroupFailed | StartHeld | FailHeld
 
 
 class GroupConnect:
-    """One group's connect; see the module notes. ``deadline``: the handshake deadline."""
+    """One group's connect; see the module notes. ``deadline``: the handshake deadline;
+    ``own_layers``: the layers this decode rank holds (None: not checked)."""
 
-    def __init__(self, specs: Sequence[LinkSpec], deadline: float) -> None:
+    def __init__(
+        self, specs: Sequence[LinkSpec], deadline: float, own_layers: HeldLayers | None = None
+    ) -> None:
         if not specs:
             raise ValueError("a prefill group needs at least one rank")
         self.specs = tuple(specs)
         self.deadline = deadline
+        self.own_layers = own_layers
+        self.layers_checked = False  # every rank named its layers and the check passed
+        self._layers: dict[tuple[int, int], HeldLayers | None] = {}
         self.state = GroupState.CONNECTING
         self.identity: GroupIdentity | None = None
         self.reason: str | None = None
@@ -125,7 +134,10 @@ class GroupConnect:
         self._open = spec.key
         return [OpenLink(spec)]
 
-    def on_link_ready(self, key: tuple[int, int], identity: GroupIdentity) -> list[GroupAction]:
+    def on_link_ready(
+        self, key: tuple[int, int], identity: GroupIdentity, layers: HeldLayers | None = None
+    ) -> list[GroupAction]:
+        """Rank ``key`` registered; ``layers``: the layers it holds (None: a peer before 1.7)."""
         if self.state is not GroupState.CONNECTING or key != self._open:
             return []
         if self.identity is not None and identity != self.identity:
@@ -134,13 +146,31 @@ class GroupConnect:
             return self._fail(f"{spec.endpoint} belongs to {identity}, the other endpoints to {others}")
         self.identity = identity
         self._ready.add(key)
+        self._layers[key] = layers
         if self._next < len(self.specs):
             return self._open_next()
+        problem = self._layer_problem()
+        if problem is not None:
+            return self._fail(f"prefill {identity}: {problem}")
         self.state, self._open = GroupState.READY, None
         out: list[GroupAction] = [GroupConnected(identity)]
         held, self.held = self.held, {}
         out += [StartHeld(room, indices, deadline) for room, (indices, deadline) in held.items()]
         return out
+
+    def _layer_problem(self) -> str | None:
+        """Whether the group's stages hold this rank's layers exactly once; checked only when
+        every rank named its layers (a group with an older rank is taken as before 1.7)."""
+        held = self._layers.values()
+        if self.own_layers is None or any(h is None for h in held):
+            return None
+        stages: dict[int, list[HeldLayers]] = {}
+        for (_, stage), h in self._layers.items():
+            assert h is not None
+            stages.setdefault(stage, []).append(h)
+        problem = coverage_problem(self.own_layers, stages)
+        self.layers_checked = problem is None
+        return problem
 
     def on_link_refused(self, key: tuple[int, int], reason: str) -> list[GroupAction]:
         if self.state is not GroupState.CONNECTING or key != self._open:

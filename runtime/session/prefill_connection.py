@@ -36,6 +36,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 from pdwire.runtime.config import ConfigError, ParallelRank
@@ -55,12 +56,14 @@ from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
 from pdwire.runtime.session.hello import (
     MERGED_PARTS_SINCE,
     REGISTER_ACK_SINCE,
+    STAGE_LAYERS_SINCE,
     check_descriptors,
     check_hello,
 )
 from pdwire.runtime.session.message_bounds import MessageLimits, MessageTooLarge, peer_limits
 from pdwire.runtime.session.prefill_room import Destination, Target
 from pdwire.runtime.session.registration import check_layout_version, join_region_descs, remote_memory
+from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
@@ -220,8 +223,13 @@ class PrefillConnection:
         kind, reason = failure_to_wire(failure, self.version)
         rank = self.local.sender_rank
         if self.version is not None and self.version >= REGISTER_ACK_SINCE:
+            layers: dict[str, Any] = {}
+            if failure is None and self.version >= STAGE_LAYERS_SINCE:
+                held = HeldLayers.of(self.local.memory)  # decode checks its PP stages with them
+                layers["kv_layers"] = np.asarray(held.kv, np.uint32)
+                layers["state_layers"] = [np.asarray(ids, np.uint32) for ids in held.state]
             return wire.RegisterAck(
-                accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason
+                accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason, **layers
             )
         status = wire.Status.SUCCESS if failure is None else wire.Status.FAILED
         return wire.TransferStatus(

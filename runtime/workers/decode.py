@@ -78,6 +78,7 @@ from pdwire.runtime.session.group_connect import (
 )
 from pdwire.runtime.session.hello import FENCE_SINCE, Identity
 from pdwire.runtime.session.routing import GroupRoute
+from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.workers.backoff import WAKEUP_FALLBACK_MS, PollBackoff
 from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, log_refusal, refusal_text, resolve
@@ -289,7 +290,7 @@ class DecodeWorker:
             for p in route.prefill_ranks
             for st in route.prefill_pp_stages
         ]
-        machine = GroupConnect(specs, time.monotonic() + timeout)
+        machine = GroupConnect(specs, time.monotonic() + timeout, HeldLayers.of(self.memory))
         c = _Connect(PrefillGroup(endpoints, prefill_pp), machine, route)
         self._connects.append(c)
         try:
@@ -862,7 +863,8 @@ class DecodeWorker:
                 if pending is not None:  # a rank of a connect() under way
                     pos = e.position
                     identity = GroupIdentity(e.peer.engine_id, pos.dp_rank, pos.tp_size, pos.pp_size)
-                    self._on_group(pending[0], pending[0].machine.on_link_ready(pending[1], identity))
+                    actions = pending[0].machine.on_link_ready(pending[1], identity, e.layers)
+                    self._on_group(pending[0], actions)
                 else:
                     self._on_ready(link, e)
             elif isinstance(e, Refused):

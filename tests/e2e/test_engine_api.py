@@ -254,3 +254,31 @@ def test_decode_declines_rooms_it_never_started_and_abort_leaves_them_alone() ->
         pre.close()
         pm.backend.close()
         dm.backend.close()
+
+
+def test_pp_stages_that_leave_decode_layers_unwritten_are_refused_at_connect() -> None:
+    # stage 1 reports the wrong start layer: layers 0 and 1 twice, 2 and 3 never (before 1.7
+    # every room of this group succeeded with decode's layers 2 and 3 never written)
+    prefills, mems = [], []
+    for stage in range(2):
+        m = rank_memory(f"lie-{stage}", 1, 0, [0, 1], pp=2, stage=stage)
+        cfg = pd.PrefillConfig(engine_id="pre", rank=pd.ParallelRank(1, 0, 2, stage), model=MODEL)
+        prefills.append(pd.PrefillWorker(cfg, m.memory, backend=m.backend))
+        mems.append(m)
+    dm = rank_memory("dec-lied-to", 1, 0, list(range(LAYERS)))
+    dec = pd.DecodeWorker(pd.DecodeConfig(engine_id="dec", rank=pd.ParallelRank(), model=MODEL), dm.memory,
+                          backend=dm.backend)  # fmt: skip
+    try:
+        stop, thread = serve(prefills)
+        try:
+            with pytest.raises(pd.HandshakeError, match="KV layer 0 is held by PP stages 0 and 1"):
+                dec.wait_ready(dec.connect([w.endpoint for w in prefills], prefill_pp=2))
+        finally:
+            stop.set()
+            thread.join()
+    finally:
+        dec.close()
+        for w in prefills:
+            w.close()
+        for m in (*mems, dm):
+            m.backend.close()

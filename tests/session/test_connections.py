@@ -37,8 +37,9 @@ from pdwire.runtime.session.events import (
     StatusReceived,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, failure_from_wire
-from pdwire.runtime.session.hello import Identity
+from pdwire.runtime.session.hello import STAGE_LAYERS_SINCE, Identity
 from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillConnState, PrefillLocal
+from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
@@ -135,7 +136,9 @@ def test_the_handshake_agrees_on_the_lower_version_and_answers_in_its_form(
         agreed,
     ]  # everything after the Hellos at the agreed version
     ready = [e for e in h.decode_events if isinstance(e, Ready)]
-    assert ready == [Ready(PeerRef("pre", 0), ParallelRank(), agreed)]
+    # from 1.7 the prefill rank names the layers it holds
+    layers = HeldLayers.of(h.p.local.memory) if agreed >= STAGE_LAYERS_SINCE else None
+    assert ready == [Ready(PeerRef("pre", 0), ParallelRank(), agreed, layers)]
     assert [e for e in h.prefill_events if isinstance(e, Registered)] == [Registered(PeerRef("dec", 0))]
     assert h.p.plan is not None and not h.p.plan.is_dummy
 
@@ -192,7 +195,7 @@ def test_a_refused_first_registration_is_sent_again_on_request_and_can_then_be_a
         if isinstance(e, AddPeer):
             (ack,) = [x for x in h.p.peer_added() if isinstance(x, Send)]
             assert h.d.receive(trip(ack.message, ack.version)) == [
-                Ready(PeerRef("pre", 0), ParallelRank(), h.d.version)
+                Ready(PeerRef("pre", 0), ParallelRank(), h.d.version, HeldLayers.of(h.p.local.memory))
             ]
     assert h.d.state is DecodeConnState.READY and h.p.state is PrefillConnState.READY
     assert h.d.register_again() == []  # only a refused registration goes again
