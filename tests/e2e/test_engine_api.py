@@ -88,6 +88,14 @@ def serve(workers: list[pd.PrefillWorker]) -> tuple[threading.Event, threading.T
     return stop, t
 
 
+def close(dec: pd.DecodeWorker, prefills: list[pd.PrefillWorker], mems: list[Mem]) -> None:
+    dec.close()
+    for w in prefills:
+        w.close()
+    for m in mems:
+        m.backend.close()
+
+
 def test_a_pp_and_tp_prefill_engine_feeds_one_decode_rank_layer_by_layer() -> None:
     rng = np.random.default_rng(3)
     tokens, room = 7, pd.room_for_request("pp-request")
@@ -151,11 +159,7 @@ def test_a_pp_and_tp_prefill_engine_feeds_one_decode_rank_layer_by_layer() -> No
         # all of them ready at once: one engine write per rank (protocol 1.5)
         assert [w.stats.posts for w in prefills] == [1, 1, 1, 1]
     finally:
-        dec.close()
-        for w in prefills:
-            w.close()
-        for m in (*mems, dm):
-            m.backend.close()
+        close(dec, prefills, [*mems, dm])
 
 
 def pair() -> tuple[
@@ -277,8 +281,4 @@ def test_pp_stages_that_leave_decode_layers_unwritten_are_refused_at_connect() -
             stop.set()
             thread.join()
     finally:
-        dec.close()
-        for w in prefills:
-            w.close()
-        for m in (*mems, dm):
-            m.backend.close()
+        close(dec, prefills, [*mems, dm])
