@@ -3,7 +3,9 @@
 Starting an engine is the expensive part (about a minute on 2 busy cores, mostly importing
 vLLM), so each module starts the engines it needs once, all at the same time, and its cases
 share them; the single-engine reference tokens are computed once per session per model.
-Engines are bound to one core each (``cpus``) so two engines do not fight over one.
+``cpus`` binds a TP 2 engine's workers one per core (vLLM 0.32 binds only the workers its
+multiprocessing executor starts; a TP 1 engine runs unbound). Engines run in the driver's session,
+one scheduling group (see the harness and docs/vllm.md, "Engines on a shared host").
 """
 
 from __future__ import annotations

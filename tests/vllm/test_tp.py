@@ -10,7 +10,6 @@ its handshake starves with several requests on 2 cores, so one prompt goes there
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,22 +128,6 @@ def _check_pd(
     assert settle(lambda: kv_usage(decode) == 0 and kv_usage(prefill) == 0, 90)
 
 
-# A handshake with several ranks on one side stalls intermittently here (docs/vllm.md, "Known
-# issue"): decode gets no registration answer before its handshake timeout, and a stalled case
-# can then hold its engines past any per-test bound (a clean-clone CI run hit pytest-timeout's
-# 1500 s inside test_dense_prefill_tp1_to_decode_tp2). Until the stall is explained these cases
-# run only on request (PDWIRE_VLLM_TP=1 ./dev test tests/vllm/test_tp.py), where they are strict:
-# a stall fails. The plans themselves are checked byte for byte without engines in
-# tests/integrations/test_vllm_memory.py, and different TP sizes through the real workers in
-# tests/e2e (test_tp_pairs, test_mla_sharded_state).
-HANDSHAKE_STALL = pytest.mark.skipif(
-    os.environ.get("PDWIRE_VLLM_TP") != "1",
-    reason="known intermittent handshake stall with several ranks on one side (docs/vllm.md, Known "
-    "issue); PDWIRE_VLLM_TP=1 runs these",
-)
-
-
-@HANDSHAKE_STALL
 def test_dense_prefill_tp2_to_decode_tp1(
     references: References, dense_2_to_1: list[h.Engine], dense_prompts: dict[str, list[int]]
 ) -> None:
@@ -156,7 +139,6 @@ def test_dense_prefill_tp2_to_decode_tp1(
     assert h.tokens(nixl) == {k: expected[k] for k in one}
 
 
-@HANDSHAKE_STALL
 def test_dense_prefill_tp1_to_decode_tp2(
     references: References, dense_1_to_2: list[h.Engine], dense_prompts: dict[str, list[int]]
 ) -> None:
@@ -164,7 +146,6 @@ def test_dense_prefill_tp1_to_decode_tp2(
     _check_pd(prefill, decode, dense_prompts, references.tokens(tm.DENSE, dense_prompts), 1, PROMPT_LEN)
 
 
-@HANDSHAKE_STALL
 def test_hybrid_prefill_tp2_to_decode_tp1(
     references: References, hybrid_2_to_1: list[h.Engine], hybrid_prompts: dict[str, list[int]]
 ) -> None:
@@ -173,7 +154,6 @@ def test_hybrid_prefill_tp2_to_decode_tp1(
     _check_pd(prefill, decode, hybrid_prompts, expected, 2, PROMPT_LEN - 1)
 
 
-@HANDSHAKE_STALL
 def test_hybrid_prefill_tp1_to_decode_tp2(
     references: References, hybrid_1_to_2: list[h.Engine], hybrid_prompts: dict[str, list[int]]
 ) -> None:

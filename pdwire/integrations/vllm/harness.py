@@ -123,7 +123,16 @@ class Engine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,  # one process group: kill() takes vLLM's workers too
+                # Its own process group, so kill() takes vLLM's workers too, but the caller's
+                # session: with the kernel's autogroups (sched_autogroup_enabled) every session
+                # is one scheduling group and CPU time is shared between groups, not threads. An
+                # engine in a session of its own whose threads mostly sleep (a prefill engine
+                # waiting for decode to connect) was woken only after 0.2-1 s per wake-up on
+                # 2 cores while a TP 2 engine's session spun (its step loop and both workers
+                # polling vLLM's shared-memory queue), so its pdwire handshake, which takes many
+                # wake-ups (libzmq's I/O thread, the worker thread, GIL hand-offs), ran past
+                # every timeout (docs/vllm.md, "Engines on a shared host").
+                process_group=0,
             )
         finally:
             log.close()
