@@ -14,7 +14,8 @@ import signal
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,6 +55,13 @@ class RankConfig:
     chunk_delay_s: float = 0.0
     versions: tuple[tuple[int, int], ...] = ()
     control_auth: pd.ControlAuth | None = None  # None: the environment's (see resolve)
+    # Where the rank lives, for ranks on other hosts (tests place them in network namespaces):
+    # the prefill ROUTER's bind address and the backend's constructor options (Mooncake's
+    # ``hostname``, NIXL's ``net_devices``/``transports``); the defaults are this host's loopback.
+    bind: str = "tcp://127.0.0.1:0"
+    backend_options: Mapping[str, object] = field(default_factory=dict)
+    fence_timeout_s: float | None = None  # decode: DecodeConfig.fence_timeout_s (None: its default)
+    peer_timeout_s: float = 5.0  # decode: DecodeConfig.peer_timeout_s
 
 
 def model_fingerprint(spec: ModelSpec) -> wire.ModelFingerprint:
@@ -132,6 +140,7 @@ def _setup(cfg: RankConfig) -> tuple[pd.Backend, RankCaches, dict[str, Any]]:
         cfg.backend,
         agent_name=f"{cfg.engine_id}-{cfg.role}{cfg.rank}-{os.getpid()}",
         transfer_timeout_s=cfg.transfer_timeout_s,
+        **cfg.backend_options,
     )
     buf = backend.allocate("caches", bytes_needed(cfg.spec, cfg.tp, cfg.rank, cfg.capacity))
     caches = build_caches(cfg.spec, cfg.tp, cfg.rank, cfg.capacity, buf.array)
@@ -161,7 +170,11 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = pd.PrefillWorker(
-        pd.PrefillConfig(**common), caches.memory, backend=backend, context=ctx, on_released=released
+        pd.PrefillConfig(bind=cfg.bind, **common),
+        caches.memory,
+        backend=backend,
+        context=ctx,
+        on_released=released,
     )
     conn.send(("ready", cfg.rank, worker.endpoint))
     worker.poller.register(conn.fileno(), zmq.POLLIN)
@@ -238,7 +251,7 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = pd.DecodeWorker(
-        pd.DecodeConfig(**common),
+        pd.DecodeConfig(fence_timeout_s=cfg.fence_timeout_s, peer_timeout_s=cfg.peer_timeout_s, **common),
         caches.memory,
         backend=backend,
         context=ctx,
