@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -205,8 +206,10 @@ class MooncakeBackend(JobTransfers, Backend):
         except OSError as exc:
             why = f"cannot connect ({exc})"
         if not why and regions:
-            first = int(self._engine.get_first_buffer_address(session))
-            if first == 0:
+            first = self._first_buffer(session)
+            if first is None:
+                why = f"its Mooncake engine did not answer within {self.connect_timeout_s:g} s"
+            elif first == 0:
                 why = "no Mooncake engine answered there"
             elif first not in {r.base for r in regions}:
                 why = f"the engine there is another one (its first buffer is at {first:#x})"
@@ -216,6 +219,29 @@ class MooncakeBackend(JobTransfers, Backend):
                 f"{why}. The peer must set the mooncake backend option hostname= to an address "
                 "this host reaches"
             )
+
+    def _first_buffer(self, session: str) -> int | None:
+        """The first buffer address of the engine at ``session``; None when it does not answer
+        within ``connect_timeout_s``. Mooncake's call can block for tens of seconds (seen while
+        its connections recover after a cut link), and adding a peer runs on the rank's loop,
+        which must not stall for every other peer; a call that times out finishes on its own
+        thread and its answer is dropped."""
+        answer: list[int | BaseException] = []
+
+        def ask() -> None:
+            try:
+                answer.append(int(self._engine.get_first_buffer_address(session)))
+            except BaseException as exc:  # handed to the caller's thread
+                answer.append(exc)
+
+        asker = threading.Thread(target=ask, name="pdwire-mooncake-probe", daemon=True)
+        asker.start()
+        asker.join(self.connect_timeout_s)
+        if not answer:
+            return None
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
 
     def _remove_peer(self, peer: Peer) -> None:
         # None of its transfers can still run (the base class waits for that): the threads are idle.
