@@ -275,7 +275,8 @@ class DecodeConnection:
         self.state = DecodeConnState.READY
         layers = None
         if self.version >= STAGE_LAYERS_SINCE and isinstance(msg, wire.RegisterAck):
-            layers = HeldLayers(_ids(msg.kv_layers), tuple(_ids(ids) for ids in msg.state_layers))
+            state = tuple(tuple(ids.tolist()) for ids in msg.state_layers)
+            layers = HeldLayers(tuple(msg.kv_layers.tolist()), state)
         return [Ready(self.peer, self.position, self.version, layers)]
 
     def _on_room_message(self, msg: wire.Message) -> list[DecodeEvent]:
@@ -311,7 +312,3 @@ class DecodeConnection:
 
     def abort(self, room: int, failure: Failure) -> wire.Abort:
         return wire.Abort(room=room, sender=self.local.endpoint, reason=failure.reason)
-
-
-def _ids(layers: np.ndarray) -> tuple[int, ...]:  # type: ignore[type-arg]
-    return tuple(int(x) for x in layers)

@@ -10,7 +10,7 @@ registered (:func:`coverage_problem`); a group that fails the check is refused b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdwire.runtime.planner.model import RankMemory
@@ -22,6 +22,11 @@ class HeldLayers:
 
     kv: tuple[int, ...]
     state: tuple[tuple[int, ...], ...]
+
+    @property
+    def pools(self) -> tuple[tuple[int, ...], ...]:
+        """The KV pool's layers, then each state component's."""
+        return (self.kv, *self.state)
 
     @classmethod
     def of(cls, memory: RankMemory) -> HeldLayers:
@@ -49,18 +54,13 @@ def coverage_problem(own: HeldLayers, stages: Mapping[int, Sequence[HeldLayers]]
                     f"PP stage {stage} names layers for {len(held.state)} state components, "
                     f"this decode rank has {len(own.state)}"
                 )
-    pools: list[tuple[str, Callable[[HeldLayers], tuple[int, ...]]]] = [("KV", lambda h: h.kv)]
-    pools += [(f"state component {ci}", _state_layers(ci)) for ci in range(len(own.state))]
-    for name, layers_of in pools:
-        by_stage = {stage: {x for h in ranks for x in layers_of(h)} for stage, ranks in stages.items()}
-        problem = _pool_problem(name, set(layers_of(own)), by_stage)
+    names = ["KV", *(f"state component {ci}" for ci in range(len(own.state)))]
+    for i, name in enumerate(names):
+        by_stage = {stage: {x for h in ranks for x in h.pools[i]} for stage, ranks in stages.items()}
+        problem = _pool_problem(name, set(own.pools[i]), by_stage)
         if problem is not None:
             return problem
     return None
-
-
-def _state_layers(ci: int) -> Callable[[HeldLayers], tuple[int, ...]]:
-    return lambda h: h.state[ci]
 
 
 def _pool_problem(name: str, own: set[int], by_stage: Mapping[int, set[int]]) -> str | None:
