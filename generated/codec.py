@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdwire import wirecore as _wc
+from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
 from pdwire.wirecore.errors import NegotiationError, ProtocolNameMismatch
 from pdwire.wirecore.negotiate import negotiate
 
 from . import v1 as _v1
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1
@@ -59,8 +60,10 @@ def agree(local: _v1.Hello, remote: _v1.Hello) -> tuple[int, int]:
     )
 
 
-def encode(msg: Any, version: tuple[int, int] | None = None) -> list[bytes | bytearray | memoryview]:
-    """Multipart frames ``[header, body, *side_frames]`` of ``msg``.
+def encode(msg: Any, version: tuple[int, int] | None = None) -> list[_a.SideFrame]:
+    """Multipart frames ``[header, body, *side_frames]`` of ``msg``: any buffer-protocol
+    object is a frame, and a large array's frame is the caller's array itself (never copied;
+    ``memoryview(frame).nbytes`` is its size).
 
     ``version`` (the negotiated one) writes an older minor; content that minor cannot carry
     raises :class:`~pdwire.wirecore.errors.DowngradeError`.

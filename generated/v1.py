@@ -98,7 +98,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2, 3, 4, 5, 6, 7)
@@ -108,7 +108,7 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
-_big = _a.big
+_side_frame = _a.side_frame
 _view = _a.view
 _bail = _a.bail
 _next = next
@@ -790,35 +790,51 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
     ):
         _env.refuse_scalars(m, "StateComponent", _SCALARS_StateComponent)
     x1 = (
-        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _big(t1, _U64, side, "StateComponent.base_addrs"))
+        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _side_frame(t1, _U64, side, "StateComponent.base_addrs"))
         if type(t1 := m.base_addrs) is _nd and t1.dtype is _U64 and t1.ndim == 1
         else _pack(t1, _U64, side, "StateComponent.base_addrs")
     )
     x2 = (
-        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _big(t2, _U64, side, "StateComponent.region_lens"))
+        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _side_frame(t2, _U64, side, "StateComponent.region_lens"))
         if type(t2 := m.region_lens) is _nd and t2.dtype is _U64 and t2.ndim == 1
         else _pack(t2, _U64, side, "StateComponent.region_lens")
     )
     x3 = (
-        (t3.tobytes() if t3.nbytes < _SIDE_MIN else _big(t3, _U64, side, "StateComponent.bytes_per_slot"))
+        (
+            t3.tobytes()
+            if t3.nbytes < _SIDE_MIN
+            else _side_frame(t3, _U64, side, "StateComponent.bytes_per_slot")
+        )
         if type(t3 := m.bytes_per_slot) is _nd and t3.dtype is _U64 and t3.ndim == 1
         else _pack(t3, _U64, side, "StateComponent.bytes_per_slot")
     )
     x4 = (
-        (t4.tobytes() if t4.nbytes < _SIDE_MIN else _big(t4, _U64, side, "StateComponent.shard_axis_sizes"))
+        (
+            t4.tobytes()
+            if t4.nbytes < _SIDE_MIN
+            else _side_frame(t4, _U64, side, "StateComponent.shard_axis_sizes")
+        )
         if type(t4 := m.shard_axis_sizes) is _nd and t4.dtype is _U64 and t4.ndim == 1
         else _pack(t4, _U64, side, "StateComponent.shard_axis_sizes")
     )
     x5 = []
     for v5 in m.sub_blocks:
         x5.append(
-            (v5.tobytes() if v5.nbytes < _SIDE_MIN else _big(v5, _U64, side, "StateComponent.sub_blocks[]"))
+            (
+                v5.tobytes()
+                if v5.nbytes < _SIDE_MIN
+                else _side_frame(v5, _U64, side, "StateComponent.sub_blocks[]")
+            )
             if type(v5) is _nd and v5.dtype is _U64 and v5.ndim == 1
             else _pack(v5, _U64, side, "StateComponent.sub_blocks[]")
         )
     x10 = None if m.heads is None else _enc_HeadSharding(m.heads, side)
     x11 = (
-        (t11.tobytes() if t11.nbytes < _SIDE_MIN else _big(t11, _U32, side, "StateComponent.layer_ids"))
+        (
+            t11.tobytes()
+            if t11.nbytes < _SIDE_MIN
+            else _side_frame(t11, _U32, side, "StateComponent.layer_ids")
+        )
         if type(t11 := m.layer_ids) is _nd and t11.dtype is _U32 and t11.ndim == 1
         else _pack(t11, _U32, side, "StateComponent.layer_ids")
     )
@@ -1116,37 +1132,53 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         _env.refuse_scalars(m, "RegisterInfo", _SCALARS_RegisterInfo)
     x4 = _enc_ParallelGeometry(m.geometry, side)
     x7 = (
-        (t7.tobytes() if t7.nbytes < _SIDE_MIN else _big(t7, _U64, side, "RegisterInfo.k_base_addrs"))
+        (t7.tobytes() if t7.nbytes < _SIDE_MIN else _side_frame(t7, _U64, side, "RegisterInfo.k_base_addrs"))
         if type(t7 := m.k_base_addrs) is _nd and t7.dtype is _U64 and t7.ndim == 1
         else _pack(t7, _U64, side, "RegisterInfo.k_base_addrs")
     )
     x8 = (
-        (t8.tobytes() if t8.nbytes < _SIDE_MIN else _big(t8, _U64, side, "RegisterInfo.v_base_addrs"))
+        (t8.tobytes() if t8.nbytes < _SIDE_MIN else _side_frame(t8, _U64, side, "RegisterInfo.v_base_addrs"))
         if type(t8 := m.v_base_addrs) is _nd and t8.dtype is _U64 and t8.ndim == 1
         else _pack(t8, _U64, side, "RegisterInfo.v_base_addrs")
     )
     x9 = (
-        (t9.tobytes() if t9.nbytes < _SIDE_MIN else _big(t9, _U64, side, "RegisterInfo.bytes_per_page"))
+        (
+            t9.tobytes()
+            if t9.nbytes < _SIDE_MIN
+            else _side_frame(t9, _U64, side, "RegisterInfo.bytes_per_page")
+        )
         if type(t9 := m.bytes_per_page) is _nd and t9.dtype is _U64 and t9.ndim == 1
         else _pack(t9, _U64, side, "RegisterInfo.bytes_per_page")
     )
     x10 = (
-        (t10.tobytes() if t10.nbytes < _SIDE_MIN else _big(t10, _U64, side, "RegisterInfo.region_lens"))
+        (
+            t10.tobytes()
+            if t10.nbytes < _SIDE_MIN
+            else _side_frame(t10, _U64, side, "RegisterInfo.region_lens")
+        )
         if type(t10 := m.region_lens) is _nd and t10.dtype is _U64 and t10.ndim == 1
         else _pack(t10, _U64, side, "RegisterInfo.region_lens")
     )
     x18 = (
-        (t18.tobytes() if t18.nbytes < _SIDE_MIN else _big(t18, _U64, side, "RegisterInfo.aux_base_addrs"))
+        (
+            t18.tobytes()
+            if t18.nbytes < _SIDE_MIN
+            else _side_frame(t18, _U64, side, "RegisterInfo.aux_base_addrs")
+        )
         if type(t18 := m.aux_base_addrs) is _nd and t18.dtype is _U64 and t18.ndim == 1
         else _pack(t18, _U64, side, "RegisterInfo.aux_base_addrs")
     )
     x19 = (
-        (t19.tobytes() if t19.nbytes < _SIDE_MIN else _big(t19, _U64, side, "RegisterInfo.aux_lens"))
+        (t19.tobytes() if t19.nbytes < _SIDE_MIN else _side_frame(t19, _U64, side, "RegisterInfo.aux_lens"))
         if type(t19 := m.aux_lens) is _nd and t19.dtype is _U64 and t19.ndim == 1
         else _pack(t19, _U64, side, "RegisterInfo.aux_lens")
     )
     x20 = (
-        (t20.tobytes() if t20.nbytes < _SIDE_MIN else _big(t20, _U64, side, "RegisterInfo.aux_item_lens"))
+        (
+            t20.tobytes()
+            if t20.nbytes < _SIDE_MIN
+            else _side_frame(t20, _U64, side, "RegisterInfo.aux_item_lens")
+        )
         if type(t20 := m.aux_item_lens) is _nd and t20.dtype is _U64 and t20.ndim == 1
         else _pack(t20, _U64, side, "RegisterInfo.aux_item_lens")
     )
@@ -1389,22 +1421,38 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
         m.first_layer,
         m.num_layers,
         (
-            (x7.tobytes() if x7.nbytes < _SIDE_MIN else _big(x7, _U64, side, "RegisterInfo.k_base_addrs"))
+            (
+                x7.tobytes()
+                if x7.nbytes < _SIDE_MIN
+                else _side_frame(x7, _U64, side, "RegisterInfo.k_base_addrs")
+            )
             if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and x7.ndim == 1
             else _pack(x7, _U64, side, "RegisterInfo.k_base_addrs")
         ),
         (
-            (x8.tobytes() if x8.nbytes < _SIDE_MIN else _big(x8, _U64, side, "RegisterInfo.v_base_addrs"))
+            (
+                x8.tobytes()
+                if x8.nbytes < _SIDE_MIN
+                else _side_frame(x8, _U64, side, "RegisterInfo.v_base_addrs")
+            )
             if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and x8.ndim == 1
             else _pack(x8, _U64, side, "RegisterInfo.v_base_addrs")
         ),
         (
-            (x9.tobytes() if x9.nbytes < _SIDE_MIN else _big(x9, _U64, side, "RegisterInfo.bytes_per_page"))
+            (
+                x9.tobytes()
+                if x9.nbytes < _SIDE_MIN
+                else _side_frame(x9, _U64, side, "RegisterInfo.bytes_per_page")
+            )
             if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and x9.ndim == 1
             else _pack(x9, _U64, side, "RegisterInfo.bytes_per_page")
         ),
         (
-            (x10.tobytes() if x10.nbytes < _SIDE_MIN else _big(x10, _U64, side, "RegisterInfo.region_lens"))
+            (
+                x10.tobytes()
+                if x10.nbytes < _SIDE_MIN
+                else _side_frame(x10, _U64, side, "RegisterInfo.region_lens")
+            )
             if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and x10.ndim == 1
             else _pack(x10, _U64, side, "RegisterInfo.region_lens")
         ),
@@ -1419,18 +1467,26 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x18.tobytes()
                 if x18.nbytes < _SIDE_MIN
-                else _big(x18, _U64, side, "RegisterInfo.aux_base_addrs")
+                else _side_frame(x18, _U64, side, "RegisterInfo.aux_base_addrs")
             )
             if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and x18.ndim == 1
             else _pack(x18, _U64, side, "RegisterInfo.aux_base_addrs")
         ),
         (
-            (x19.tobytes() if x19.nbytes < _SIDE_MIN else _big(x19, _U64, side, "RegisterInfo.aux_lens"))
+            (
+                x19.tobytes()
+                if x19.nbytes < _SIDE_MIN
+                else _side_frame(x19, _U64, side, "RegisterInfo.aux_lens")
+            )
             if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and x19.ndim == 1
             else _pack(x19, _U64, side, "RegisterInfo.aux_lens")
         ),
         (
-            (x20.tobytes() if x20.nbytes < _SIDE_MIN else _big(x20, _U64, side, "RegisterInfo.aux_item_lens"))
+            (
+                x20.tobytes()
+                if x20.nbytes < _SIDE_MIN
+                else _side_frame(x20, _U64, side, "RegisterInfo.aux_item_lens")
+            )
             if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and x20.ndim == 1
             else _pack(x20, _U64, side, "RegisterInfo.aux_item_lens")
         ),
@@ -1440,7 +1496,7 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x23.tobytes()
                 if x23.nbytes < _SIDE_MIN
-                else _big(x23, _U64, side, "RegisterInfo.flat_state_base_addrs")
+                else _side_frame(x23, _U64, side, "RegisterInfo.flat_state_base_addrs")
             )
             if type(x23 := old.get("flat_state_base_addrs", _E_U64)) is _nd
             and x23.dtype is _U64
@@ -1451,7 +1507,7 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x24.tobytes()
                 if x24.nbytes < _SIDE_MIN
-                else _big(x24, _U64, side, "RegisterInfo.flat_state_region_lens")
+                else _side_frame(x24, _U64, side, "RegisterInfo.flat_state_region_lens")
             )
             if type(x24 := old.get("flat_state_region_lens", _E_U64)) is _nd
             and x24.dtype is _U64
@@ -1462,7 +1518,7 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x25.tobytes()
                 if x25.nbytes < _SIDE_MIN
-                else _big(x25, _U64, side, "RegisterInfo.flat_state_bytes_per_slot")
+                else _side_frame(x25, _U64, side, "RegisterInfo.flat_state_bytes_per_slot")
             )
             if type(x25 := old.get("flat_state_bytes_per_slot", _E_U64)) is _nd
             and x25.dtype is _U64
@@ -1473,7 +1529,7 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x26.tobytes()
                 if x26.nbytes < _SIDE_MIN
-                else _big(x26, _U64, side, "RegisterInfo.flat_state_shard_axis_sizes")
+                else _side_frame(x26, _U64, side, "RegisterInfo.flat_state_shard_axis_sizes")
             )
             if type(x26 := old.get("flat_state_shard_axis_sizes", _E_U64)) is _nd
             and x26.dtype is _U64
@@ -1695,7 +1751,11 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
     ):
         _env.refuse_scalars(m, "TransferRequest", _SCALARS_TransferRequest)
     x2 = (
-        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _big(t2, _I32, side, "TransferRequest.dst_kv_indices"))
+        (
+            t2.tobytes()
+            if t2.nbytes < _SIDE_MIN
+            else _side_frame(t2, _I32, side, "TransferRequest.dst_kv_indices")
+        )
         if type(t2 := m.dst_kv_indices) is _nd and t2.dtype is _I32 and t2.ndim == 1
         else _pack(t2, _I32, side, "TransferRequest.dst_kv_indices")
     )
@@ -1708,7 +1768,7 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
                 (
                     v8.tobytes()
                     if v8.nbytes < _SIDE_MIN
-                    else _big(v8, _I32, side, "TransferRequest.state_indices[]")
+                    else _side_frame(v8, _I32, side, "TransferRequest.state_indices[]")
                 )
                 if type(v8) is _nd and v8.dtype is _I32 and v8.ndim == 1
                 else _pack(v8, _I32, side, "TransferRequest.state_indices[]")
@@ -1815,7 +1875,7 @@ def _enc_TransferRequest_1_0(m: TransferRequest, side: _a.SideFrames | None) -> 
             (
                 x2.tobytes()
                 if x2.nbytes < _SIDE_MIN
-                else _big(x2, _I32, side, "TransferRequest.dst_kv_indices")
+                else _side_frame(x2, _I32, side, "TransferRequest.dst_kv_indices")
             )
             if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and x2.ndim == 1
             else _pack(x2, _I32, side, "TransferRequest.dst_kv_indices")
@@ -1825,7 +1885,7 @@ def _enc_TransferRequest_1_0(m: TransferRequest, side: _a.SideFrames | None) -> 
             (
                 x4.tobytes()
                 if x4.nbytes < _SIDE_MIN
-                else _big(x4, _I32, side, "TransferRequest.flat_state_indices")
+                else _side_frame(x4, _I32, side, "TransferRequest.flat_state_indices")
             )
             if type(x4 := old.get("flat_state_indices", _E_I32)) is _nd and x4.dtype is _I32 and x4.ndim == 1
             else _pack(x4, _I32, side, "TransferRequest.flat_state_indices")
@@ -2088,7 +2148,11 @@ def _enc_Notification(m: Notification, side: _a.SideFrames | None) -> list[Any]:
         m.expected_consumers,
         m.chunk_count,
         (
-            (x8.tobytes() if x8.nbytes < _SIDE_MIN else _big(x8, _U32, side, "Notification.also_components"))
+            (
+                x8.tobytes()
+                if x8.nbytes < _SIDE_MIN
+                else _side_frame(x8, _U32, side, "Notification.also_components")
+            )
             if type(x8 := m.also_components) is _nd and x8.dtype is _U32 and x8.ndim == 1
             else _pack(x8, _U32, side, "Notification.also_components")
         ),
@@ -2361,14 +2425,18 @@ def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
     ):
         _env.refuse_scalars(m, "RegisterAck", _SCALARS_RegisterAck)
     x4 = (
-        (t4.tobytes() if t4.nbytes < _SIDE_MIN else _big(t4, _U32, side, "RegisterAck.kv_layers"))
+        (t4.tobytes() if t4.nbytes < _SIDE_MIN else _side_frame(t4, _U32, side, "RegisterAck.kv_layers"))
         if type(t4 := m.kv_layers) is _nd and t4.dtype is _U32 and t4.ndim == 1
         else _pack(t4, _U32, side, "RegisterAck.kv_layers")
     )
     x5 = []
     for v5 in m.state_layers:
         x5.append(
-            (v5.tobytes() if v5.nbytes < _SIDE_MIN else _big(v5, _U32, side, "RegisterAck.state_layers[]"))
+            (
+                v5.tobytes()
+                if v5.nbytes < _SIDE_MIN
+                else _side_frame(v5, _U32, side, "RegisterAck.state_layers[]")
+            )
             if type(v5) is _nd and v5.dtype is _U32 and v5.ndim == 1
             else _pack(v5, _U32, side, "RegisterAck.state_layers[]")
         )

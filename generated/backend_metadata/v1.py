@@ -38,7 +38,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -48,7 +48,7 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
-_big = _a.big
+_side_frame = _a.side_frame
 _view = _a.view
 _bail = _a.bail
 _next = next

@@ -14,9 +14,10 @@ runtime-version check). Bump :data:`API_VERSION` with any change generated code 
 
 from __future__ import annotations
 
-API_VERSION = 3
+API_VERSION = 4
 """The contract between generated code and this library (3: positional decoders read ASCII
-decimals with ``frame_encodings.read_int*``)."""
+decimals with ``frame_encodings.read_int*``; 4: encoders hand large arrays to
+``arrays.side_frame(arr, dtype, side, where)``, which makes the array itself the frame)."""
 
 
 def require(version: int, module: str) -> None:

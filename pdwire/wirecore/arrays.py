@@ -27,7 +27,12 @@ U64 = np.dtype("<u8")
 
 Buffer = bytes | bytearray | memoryview
 WireArray = bytes | memoryview | int
-SideFrames = list[Buffer]
+# An encoded side frame is the caller's own 1-D C-contiguous array of the wire dtype: any
+# buffer-protocol object is a ZMQ frame, and handing over the array itself costs nothing
+# (a byte-formatted memoryview costs two C calls per array). ``memoryview(f).nbytes`` is
+# its size on the wire; ``len()`` of an array counts items.
+SideFrame = Buffer | npt.NDArray[Any]
+SideFrames = list[SideFrame]
 Frames = Sequence[Buffer]
 SideCounter = Iterator[int]  # itertools.count(2): the side-frame index the fast decoder expects next
 
@@ -122,26 +127,23 @@ _frombuffer = np.frombuffer
 
 def pack(value: object, dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
     """Encode one packed array: inline bytes, or a side-frame index when ``side`` is given and it is large."""
-    # fast path: a 1-D C-contiguous ndarray of exactly ``dtype`` (numpy caches the builtin
-    # dtypes, so identity decides); its memoryview answers shape, contiguity and size at once
-    if type(value) is _ndarray and value.dtype is dtype:
-        buf = value.data
-        if buf.ndim == 1 and buf.c_contiguous:
-            if side is None or buf.nbytes < SIDE_FRAME_MIN_BYTES:
-                return buf  # msgspec writes a buffer's bytes as bin, whatever its item format
-            side.append(buf.cast("B"))  # its own frame, never copied; byte-formatted for len()
-            return len(side) + 1  # frames 0 and 1 are the header and the body
+    # fast path: a 1-D ndarray of exactly ``dtype`` (numpy caches the builtin dtypes, so
+    # identity decides); tobytes() copies any layout, a side frame checks contiguity
+    if type(value) is _ndarray and value.dtype is dtype and value.ndim == 1:
+        if value.nbytes < SIDE_FRAME_MIN_BYTES:
+            return value.tobytes()
+        return side_frame(value, dtype, side, where)
     return _pack_slow(value, dtype, side, where)
 
 
-def big(arr: npt.NDArray[Any], dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
-    """A large 1-D array of ``dtype``: its own frame, or inline when ``side`` is None."""
-    buf = arr.data
-    if not buf.c_contiguous:
+def side_frame(arr: npt.NDArray[Any], dtype: np.dtype[Any], side: SideFrames | None, where: str) -> WireArray:
+    """A large 1-D array of ``dtype``: its own frame (the array itself, never copied), or inline
+    when ``side`` is None."""
+    if arr.strides[0] != arr.itemsize:  # strided (a large array's only way to be non-contiguous)
         return _pack_slow(arr, dtype, side, where)
     if side is None:
-        return buf
-    side.append(buf.cast("B"))  # its own frame, never copied; byte-formatted for len()
+        return arr.data
+    side.append(arr)
     return len(side) + 1  # frames 0 and 1 are the header and the body
 
 
@@ -152,7 +154,7 @@ def _pack_slow(value: object, dtype: np.dtype[Any], side: SideFrames | None, whe
         arr = _coerce(value, dtype, where)
     if side is None or arr.nbytes < SIDE_FRAME_MIN_BYTES:
         return arr.data
-    side.append(arr.data.cast("B"))
+    side.append(arr)
     return len(side) + 1
 
 

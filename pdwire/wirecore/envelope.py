@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from .arrays import Buffer, Cursor, Frames, SideCounter, SideFrames
+from .arrays import Buffer, Cursor, Frames, SideCounter, SideFrame, SideFrames
 from .errors import (
     BodyError,
     DowngradeError,
@@ -317,7 +317,7 @@ def _scalar_problem(value: Any, kind: str, lo: Any, hi: Any) -> str | None:
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def encode_with(mc: MessageCodec, msg: Any) -> list[Buffer]:
+def encode_with(mc: MessageCodec, msg: Any) -> list[SideFrame]:
     side: SideFrames = []
     try:
         body = _encode(mc.to_wire(msg, side))
@@ -399,10 +399,22 @@ def as_frames(frames: Any) -> list[Buffer]:
             out.append(buffer)
             continue
         try:
-            out.append(memoryview(f))
+            view = memoryview(f)
         except TypeError:
             raise FrameError(f"frame of type {type(f).__name__} is not a buffer", frame=i) from None
+        out.append(_as_bytes(view, i))
     return out
+
+
+def _as_bytes(view: memoryview, i: int) -> memoryview:
+    """An encoder's array side frame (or any typed buffer) read as bytes, so that lengths are
+    byte counts."""
+    if view.format == "B":
+        return view
+    try:
+        return view.cast("B")
+    except TypeError:
+        raise FrameError(f"frame {i} is a buffer that is not contiguous", frame=i) from None
 
 
 def _version_arg(version: Any) -> Version:
@@ -489,7 +501,7 @@ class Registry:
             raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
 
     # --- public codec ----------------------------------------------------------------------
-    def encode(self, msg: Any, version: Any = None) -> list[Buffer]:
+    def encode(self, msg: Any, version: Any = None) -> list[SideFrame]:
         mc = self.by_class.get(type(msg))
         if mc is not None and (version is None or version == mc.version):
             # the common case inline; any failure repeats through encode_with, which

@@ -846,7 +846,8 @@ class DecodeWorker:
             self._run(self.session.on_peer_lost(peer))
 
     def _send(self, link: _Link, msg: wire.Message, version: tuple[int, int] | None) -> None:
-        link.sock.send_multipart(wire.encode(msg, version), copy=False)
+        # numpy declares ndarray a buffer (its side frames) only from Python 3.12 on
+        link.sock.send_multipart(wire.encode(msg, version), copy=False)  # type: ignore[arg-type]
         self.stats.messages_out += 1
 
     def _handle(self, link: _Link, events: list[DecodeEvent]) -> None:

@@ -488,7 +488,8 @@ class PrefillWorker:
     # ------------------------------------------------------------------ connection events
 
     def _send(self, identity: bytes, msg: wire.Message, version: tuple[int, int] | None) -> None:
-        self.sock.send_multipart([identity, *wire.encode(msg, version)], copy=False)
+        # numpy declares ndarray a buffer (its side frames) only from Python 3.12 on
+        self.sock.send_multipart([identity, *wire.encode(msg, version)], copy=False)  # type: ignore[list-item]
         self.stats.messages_out += 1
 
     def _handle(self, identity: bytes, conn: PrefillConnection, events: list[PrefillEvent]) -> None:
@@ -562,7 +563,7 @@ class PrefillWorker:
         frames = wire.encode(conn.status(RESERVED_ROOM, Status.SUCCESS), conn.version)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK)  # type: ignore[list-item]  # as in _send
         except zmq.ZMQError as exc:
             return exc.errno != zmq.EHOSTUNREACH  # EAGAIN: connected, its queue full
         finally:

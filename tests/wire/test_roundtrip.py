@@ -53,8 +53,13 @@ def test_large_arrays_travel_as_side_frames_without_copy() -> None:
     )
     frames = w.encode(msg)
     assert len(frames) == 3
-    assert isinstance(frames[2], memoryview) and frames[2].obj is kv  # the caller's buffer, not a copy
+    assert frames[2] is kv  # the caller's array is the frame: not a copy
+    assert memoryview(frames[2]).nbytes == kv.nbytes
     back = w.decode(_join(frames))
+    assert np.array_equal(w.decode(frames).dst_kv_indices, kv)  # in process, frames unsent
+    strided = np.arange(8192, dtype=np.int32)[::2]  # not contiguous: copied, never sent strided
+    frames = w.encode(w.TransferRequest(room=1, sender="d", dst_kv_indices=strided))
+    assert frames[2] is not strided and np.array_equal(w.decode(_join(frames)).dst_kv_indices, strided)
     assert not back.dst_kv_indices.flags.writeable
     assert np.array_equal(back.dst_kv_indices, kv)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdwire import wirecore as _wc
+from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
 
 from . import v1 as _v1
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 PROTOCOL = "arrays"
 PROTOCOL_ID = 102
@@ -36,8 +37,10 @@ Message = _v1.Message
 """Any top-level message of the newest model."""
 
 
-def encode(msg: Any, version: tuple[int, int] | None = None) -> list[bytes | bytearray | memoryview]:
-    """Multipart frames ``[header, body, *side_frames]`` of ``msg``.
+def encode(msg: Any, version: tuple[int, int] | None = None) -> list[_a.SideFrame]:
+    """Multipart frames ``[header, body, *side_frames]`` of ``msg``: any buffer-protocol
+    object is a frame, and a large array's frame is the caller's array itself (never copied;
+    ``memoryview(frame).nbytes`` is its size).
 
     ``version`` (the negotiated one) writes an older minor; content that minor cannot carry
     raises :class:`~pdwire.wirecore.errors.DowngradeError`.

@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -38,7 +38,7 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
-_big = _a.big
+_side_frame = _a.side_frame
 _view = _a.view
 _bail = _a.bail
 _next = next
@@ -90,24 +90,24 @@ def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
     if not (type(m.room) is int and 0 <= m.room <= 18446744073709551615):
         _env.refuse_scalars(m, "Pages", _SCALARS_Pages)
     x1 = (
-        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _big(t1, _I32, side, "Pages.pages"))
+        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _side_frame(t1, _I32, side, "Pages.pages"))
         if type(t1 := m.pages) is _nd and t1.dtype is _I32 and t1.ndim == 1
         else _pack(t1, _I32, side, "Pages.pages")
     )
     x2 = (
-        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _big(t2, _U32, side, "Pages.ranks"))
+        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _side_frame(t2, _U32, side, "Pages.ranks"))
         if type(t2 := m.ranks) is _nd and t2.dtype is _U32 and t2.ndim == 1
         else _pack(t2, _U32, side, "Pages.ranks")
     )
     x3 = (
-        (t3.tobytes() if t3.nbytes < _SIDE_MIN else _big(t3, _U64, side, "Pages.addresses"))
+        (t3.tobytes() if t3.nbytes < _SIDE_MIN else _side_frame(t3, _U64, side, "Pages.addresses"))
         if type(t3 := m.addresses) is _nd and t3.dtype is _U64 and t3.ndim == 1
         else _pack(t3, _U64, side, "Pages.addresses")
     )
     x4 = []
     for v4 in m.per_layer:
         x4.append(
-            (v4.tobytes() if v4.nbytes < _SIDE_MIN else _big(v4, _U32, side, "Pages.per_layer[]"))
+            (v4.tobytes() if v4.nbytes < _SIDE_MIN else _side_frame(v4, _U32, side, "Pages.per_layer[]"))
             if type(v4) is _nd and v4.dtype is _U32 and v4.ndim == 1
             else _pack(v4, _U32, side, "Pages.per_layer[]")
         )
@@ -117,7 +117,7 @@ def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
             None
             if v5 is None
             else (
-                (v5.tobytes() if v5.nbytes < _SIDE_MIN else _big(v5, _I32, side, "Pages.maybe[]"))
+                (v5.tobytes() if v5.nbytes < _SIDE_MIN else _side_frame(v5, _I32, side, "Pages.maybe[]"))
                 if type(v5) is _nd and v5.dtype is _I32 and v5.ndim == 1
                 else _pack(v5, _I32, side, "Pages.maybe[]")
             )

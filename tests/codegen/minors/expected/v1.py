@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(3, __name__)
+_wc.require(4, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2)
@@ -38,7 +38,7 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
-_big = _a.big
+_side_frame = _a.side_frame
 _view = _a.view
 _bail = _a.bail
 _next = next
@@ -103,7 +103,7 @@ def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
         # flat: removed in 1.1
         b"",
         (
-            (x2.tobytes() if x2.nbytes < _SIDE_MIN else _big(x2, _U32, side, "Request.ids"))
+            (x2.tobytes() if x2.nbytes < _SIDE_MIN else _side_frame(x2, _U32, side, "Request.ids"))
             if type(x2 := m.ids) is _nd and x2.dtype is _U32 and x2.ndim == 1
             else _pack(x2, _U32, side, "Request.ids")
         ),
