@@ -121,24 +121,28 @@ class PeerPlan:
                 f"{len(components)} state components but {len(src_indices)} source and "
                 f"{len(dst_indices)} destination index lists"
             )
-        groups = []
-        for ci, component in enumerate(components):
-            name = f"state[{ci}]:{component.kind.value}"
-            src = as_indices(src_indices[ci], component=name, side="source")
-            dst = as_indices(dst_indices[ci], component=name, side="destination")
-            if component.indexing is Indexing.SLOT and (len(src), len(dst)) not in ((0, 0), (1, 1)):
-                raise IndexListMismatch(
-                    f"a slot component takes exactly one index per side, got {len(src)} and {len(dst)}",
-                    component=name,
-                )
-            sets = self._setup.state[ci]
-            if sets is not None:
-                table = _expand_all(sets, src, dst, name)
-            else:
-                paired_indices(src, dst, component=name)
-                table = DescriptorTable.empty()
-            groups.append(PlanGroup(GroupKind.STATE, None, ci, table))
-        return tuple(groups)
+        pairs = enumerate(zip(src_indices, dst_indices, strict=True))
+        return tuple(self.plan_component(ci, src, dst) for ci, (src, dst) in pairs)
+
+    def plan_component(self, ci: int, src_indices: IndexArray, dst_indices: IndexArray) -> PlanGroup:
+        """State component ``ci`` alone (what :meth:`plan_state` plans for each): a prefill rank
+        posting one component's part plans only that one."""
+        component = self.local.state[ci]
+        name = f"state[{ci}]:{component.kind.value}"
+        src = as_indices(src_indices, component=name, side="source")
+        dst = as_indices(dst_indices, component=name, side="destination")
+        if component.indexing is Indexing.SLOT and (len(src), len(dst)) not in ((0, 0), (1, 1)):
+            raise IndexListMismatch(
+                f"a slot component takes exactly one index per side, got {len(src)} and {len(dst)}",
+                component=name,
+            )
+        sets = self._setup.state[ci]
+        if sets is not None:
+            table = _expand_all(sets, src, dst, name)
+        else:
+            paired_indices(src, dst, component=name)
+            table = DescriptorTable.empty()
+        return PlanGroup(GroupKind.STATE, None, ci, table)
 
     def plan_aux(self, src_index: int, dst_index: int) -> PlanGroup:
         """One item of every aux buffer; empty unless this rank is the aux writer for the decode rank."""

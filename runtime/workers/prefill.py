@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 from pdwire.runtime.backends import Backend, BackendError, Peer, PeerMetadata, TransferHandle, TransferState
 from pdwire.runtime.config import ConfigError, PrefillConfig
@@ -638,11 +637,7 @@ class PrefillWorker:
         if isinstance(part, KvPart):
             return plan.plan_kv_chunk(part.chunk_id, part.src, part.dst)
         if isinstance(part, StatePart):
-            empty = np.zeros(0, dtype=np.int32)
-            n = len(plan.local.state)
-            src = [part.src if c == part.component else empty for c in range(n)]
-            dst = [part.dst if c == part.component else empty for c in range(n)]
-            return plan.plan_state(src, dst)[part.component]
+            return plan.plan_component(part.component, part.src, part.dst)
         assert isinstance(part, AuxPart)
         return plan.plan_aux(part.src, part.dst)
 

@@ -80,6 +80,8 @@ class Stager:
         return kinds == {MemoryKind.DRAM}
 
     def choose(self, table: DescriptorTable) -> Choice:
+        if len(table) < self.model.min_rows:  # never staged (the model's own rule), decided cheaply
+            return self.model.choose(table)
         if self._disabled or not self.arena.fits_ever(table.total_bytes) or not self._host_only(table):
             return Choice(Mode.DIRECT)
         return self.model.choose(table, (Mode.GATHER,))
