@@ -31,6 +31,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from pdwire.runtime.control_auth import ENV_KEYS, generate_directory
+
 from pdwire.integrations.vllm import harness as h
 from pdwire.integrations.vllm import tiny_models as tm
 
@@ -72,7 +74,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-pd-bench-"))
     model = str(tm.write_model(args.model, work / args.model))
     hybrid = args.model == tm.HYBRID
-    base_env = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+    # pdwire's control plane authenticated as in a deployment: one key directory for every engine
+    keys = work / "control-keys"
+    generate_directory(keys)
+    base_env = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", ENV_KEYS: str(keys)}
     specs = []
     for i, c in enumerate(names):
         for role, cpu in (("kv_producer", "0"), ("kv_consumer", "1")):

@@ -150,6 +150,13 @@ class DecodeSession(RoomTable[DecodeRoom, Status]):
         self.unrevocable[peer] = reason
         return []
 
+    def on_reclaimed(self, room: int) -> DecodeRoom | None:
+        """The engine took the slots of quarantined ``room`` back on its own authority (it knows
+        the writers it waited for are gone for good, or its own timeout freed them): the room is
+        forgotten, its late fences and completions are stray. Returns the room (None: it was not
+        quarantined). Its tombstone stays, so the id is not reused while late messages may come."""
+        return self.quarantined.pop(room, None)
+
     def on_reregistered(self, peer: PeerRef) -> None:
         """``peer`` registered again (new windows): it may be asked to be revoked again."""
         self.unrevocable.pop(peer, None)

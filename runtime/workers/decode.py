@@ -183,6 +183,7 @@ class DecodeStats:
     requests_sent: int = 0  # TransferRequests among them
     revocations: int = 0  # prefill ranks cut off this rank's memory
     unrevocable: int = 0  # prefill ranks that could not be revoked (their rooms stay quarantined)
+    reclaimed: int = 0  # quarantined rooms whose slots the engine took back itself (reclaim())
     peers_lost: int = 0  # control connections lost (closed, or silent past peer_timeout_s)
     reconnects: int = 0  # lost links handshaken again
     reconnect_error: str = ""  # why the last background reconnect failed (it is retried)
@@ -643,6 +644,31 @@ class DecodeWorker:
         if room in self._held or room in self._awaiting:
             return Status.BOOTSTRAPPING
         return self.session.status(room)
+
+    def reclaim(self, room: int) -> bool:
+        """Forget quarantined ``room``: the engine takes its slots back on its own authority.
+
+        For a writer that can never fence: a prefill rank that died while its memory could not be
+        revoked (``stats.unrevocable``: engine-owned memory) keeps its rooms quarantined for good,
+        because only the engine can know when the writer is gone for good (its host is down, its
+        process is confirmed dead) or decide to free the slots at a timeout of its own, as
+        SGLang's deferred release does. From this call on a late write of that writer is the
+        engine's risk. ``on_slots_released`` is not called (the engine has the slots already);
+        the room's id stays unusable while late messages for it may come. Returns False when the
+        room is not quarantined (unknown, or its slots were released already); raises
+        :class:`ConfigError` for a live room (``abort`` it first).
+        """
+        if room in self.session.rooms or room in self._held or room in self._awaiting:
+            raise ConfigError(f"room {room} is still live on this rank: abort it before reclaiming its slots")
+        r = self.session.on_reclaimed(room)
+        if r is None:
+            return False
+        self.stats.reclaimed += 1
+        waiting = ", ".join(str(p) for p in r.unfenced()) or "none"
+        text = f"room {room}: reclaimed by the engine before its writers fenced (waiting for: {waiting})"
+        self.stats.failures.append(text)
+        log.warning("%s", text)
+        return True
 
     @property
     def quarantined_rooms(self) -> tuple[int, ...]:

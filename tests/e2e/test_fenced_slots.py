@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import DONE, TransferHandle
+from pdwire.runtime.config import ConfigError
 from pdwire.runtime.demo.content import RoomSlots, fill, full_tensors, verify
-from pdwire.runtime.engine import Status
+from pdwire.runtime.engine import DuplicateRoomError, Status
 
 from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
@@ -100,3 +102,43 @@ def test_a_prefill_rank_that_never_fences_is_revoked_and_its_late_writes_land_no
         p.step_until(lambda: "decode finished 10 SUCCESS" in p.events, "room 10")
         assert verify(p.dc, slots, full_tensors(SPEC, 1, 10, TOKENS)) == []
         assert p.dec.stats.failures[0] == "room 9: aborted: the engine gave up on it"
+
+
+class EngineOwned(LocalBackend):
+    """Decode memory the engine allocated itself: no window onto it can be revoked."""
+
+    def revocation_blocker(self, for_peer: str) -> str | None:
+        return "regions [0] cannot be windowed (engine-owned memory, as SGLang's own tensors)"
+
+
+def test_a_room_an_unrevocable_writer_keeps_quarantined_is_forgotten_when_the_engine_reclaims_it() -> None:
+    with worker_pair(
+        CannotCancel("pre"), EngineOwned("dec"), decode_kw={"room_timeout_s": 1.0, "fence_timeout_s": 0.3}
+    ) as p:
+        slots = room_slots(TOKENS)
+        start(p, 11, slots)
+        with pytest.raises(ConfigError, match="still live"):
+            p.dec.reclaim(11)  # a live room is aborted first, never reclaimed under its writers
+        p.dec.abort(11, "the engine gave up on it")
+        p.step_until(lambda: p.dec.stats.unrevocable == 1, "the revocation attempt at the fence timeout")
+        for _ in range(50):  # a timeout never releases the slots of an unrevocable writer's room
+            p.pre.step(1)
+            p.dec.step(1)
+        assert p.dec.quarantined_rooms == (11,) and p.events == ["decode finished 11 FAILED"]
+        assert p.dec.reclaim(11) is True
+        assert p.dec.quarantined_rooms == () and p.dec.stats.reclaimed == 1
+        assert p.dec.reclaim(11) is False  # once: the room is not quarantined any more
+        assert "room 11: reclaimed by the engine before its writers fenced (waiting for: pre/0)" in str(
+            p.dec.stats.failures
+        )
+        with pytest.raises(DuplicateRoomError):  # its late messages may still come: the id waits
+            p.dec.check_free(11)
+        # the writer's held write and its AbortAck arrive late: stray, no callback, no failure
+        p.pb.gate.set()  # type: ignore[attr-defined]
+        p.step_until(lambda: p.pre.draining_rooms == (), "room 11's writes to end")
+        p.step_until(lambda: "prefill released 11 FAILED" in p.events, "prefill's own release")
+        for _ in range(50):
+            p.pre.step(1)
+            p.dec.step(1)
+        assert "decode slots 11" not in p.events  # the engine has the slots: no second hand-over
+        assert p.dec.quarantined_rooms == () and p.dec.stats.rooms_failed == 1

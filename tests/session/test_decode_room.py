@@ -341,6 +341,24 @@ def test_a_sender_that_cannot_be_revoked_leaves_the_slots_quarantined_until_a_re
     assert s.on_status(ROOM, 0, Status.SUCCESS, None) == [ReleaseSlots(ROOM)]  # a real fence still counts
 
 
+def test_a_reclaimed_room_leaves_quarantine_and_its_late_fences_are_stray() -> None:
+    s = DecodeSession(room_timeout_s=5.0)
+    p0 = PeerRef("p", 0)
+    s.start_room(ROOM, [SenderPlan(0, p0, aux=True, fences=False)], now=100.0)  # its Failed fences nothing
+    assert s.on_reclaimed(ROOM) is None  # live, not quarantined: nothing to reclaim
+    fail = Failure(FailureKind.ENGINE_ERROR, "ERR")
+    s.on_status(ROOM, 0, Status.FAILED, fail)
+    s.on_tick(115.0)
+    s.on_unrevocable(p0, "memory the engine did not allocate")
+    r = s.on_reclaimed(ROOM)
+    assert r is not None and r.unfenced() == (p0,) and ROOM not in s.quarantined
+    assert s.on_reclaimed(ROOM) is None  # once
+    assert s.on_status(ROOM, 0, Status.SUCCESS, None) == []  # no second release of its slots
+    assert s.on_tick(1e9) == []
+    with pytest.raises(DuplicateRoomError):
+        s.check_free(ROOM)  # the tombstone keeps the id while late messages may come
+
+
 def test_a_revoked_peer_fails_its_live_rooms_and_fences_its_quarantined_ones() -> None:
     s = DecodeSession(room_timeout_s=5.0)
     p0, p1 = PeerRef("p", 0), PeerRef("p", 1)

@@ -517,6 +517,9 @@ def test_a_prefill_process_killed_mid_transfer(
         assert "cannot be revoked" in failures, failures
         mgr.clear_deferred_abort_state(room)  # SGLang's _do_release at its deadline
         rx.clear()
+        # SGLang took the slots back: pdwire's quarantine lets go of the room too
+        _wait("the reclaim", lambda: mgr.submit(lambda: mgr.worker.quarantined_rooms).result(30) == (), 30)
+        assert mgr.submit(lambda: mgr.worker.stats.reclaimed).result(30) == 1
 
         # the engine comes back on the same bootstrap and HTTP ports (new pdwire endpoints)
         second = h.PrefillProcess(2, bport, http_p, {4202: 13}, tmp_path / "prefill-2-stderr.txt")

@@ -523,6 +523,15 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         self.released.pop(bootstrap_room, None)
+        if isinstance(self.worker, pd.DecodeWorker):
+            # SGLang's deferred release hands the slots back at its own deadline, fenced or not:
+            # pdwire's quarantine lets go of the room too, instead of holding it for good
+            self.submit(self._reclaim, bootstrap_room)
+
+    def _reclaim(self, room: int) -> None:
+        # a room still live here fails first (a room already over is left alone by abort)
+        self.worker.abort(room, "SGLang released the room's slots (deferred release deadline)")
+        self.worker.reclaim(room)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         info = self.prefill_info_table.get(bootstrap_addr)
