@@ -17,6 +17,7 @@ pdwire schema gate
 
 echo "== ruff"
 ruff check .
+ruff format --check --exclude "*.md" .  # Python only: docs keep their hand-wrapped examples
 echo "== mypy"
 bash scripts/mypy.sh
 

@@ -505,9 +505,7 @@ def _borrowed_component(
     )
 
 
-def _described_component(
-    ci: int, wc: wire.StateComponent, lc: StatePool, tp_size: int
-) -> StatePool:
+def _described_component(ci: int, wc: wire.StateComponent, lc: StatePool, tp_size: int) -> StatePool:
     """A 1.2 component, from its own registration (only the memory kind is this side's)."""
     where = f"state_components[{ci}] ({lc.kind.value})"
     names = list(wc.tensor_names)
@@ -564,9 +562,7 @@ def _described_component(
     )
 
 
-def _check_against_local(
-    where: str, peer: StatePool, lc: StatePool, peer_tp: int, local: RankMemory
-) -> None:
+def _check_against_local(where: str, peer: StatePool, lc: StatePool, peer_tp: int, local: RankMemory) -> None:
     """Refuse a self-described component whose structure differs from this side's model.
 
     Per-rank sizes may differ with TP (a sharded tensor's slot is the rank's share), so sharded
@@ -644,9 +640,7 @@ def _check_against_local(
             )
 
 
-def _layer_ids(
-    ci: int, wc: wire.StateComponent, comp: StatePool, pp_size: int
-) -> tuple[int, ...] | None:
+def _layer_ids(ci: int, wc: wire.StateComponent, comp: StatePool, pp_size: int) -> tuple[int, ...] | None:
     """The layers a registered component's entries hold (1.3); None (0..n-1) only for a peer
     without PP, the one case where an older peer's silence means what it says."""
     where = f"RegisterInfo.state_components[{ci}].layer_ids"

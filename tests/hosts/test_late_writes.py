@@ -73,4 +73,3 @@ def test_a_revoked_writer_stuck_mid_transfer_changes_no_reused_byte_once_it_resu
     checked = _json_line(target, '"changed"', 30)
     changed = checked["changed"]
     assert changed == 0, f"{changed} bytes of reused memory changed after the revocation"
-

@@ -37,9 +37,7 @@ def _kimi_conv(tp: int, rank: int, base: int, slots: int = 2) -> RankMemory:
     axis = sum(CHANNELS) // tp
     item = ROWS * axis  # 1-byte elements
     conv = StateTensor("conv", (base,), (item * slots,), item, axis, CHANNELS, outer_rows=ROWS)
-    return RankMemory(
-        RankPosition(tp, rank), None, (StatePool(StateKind.MAMBA, Indexing.SLOT, (conv,)),)
-    )
+    return RankMemory(RankPosition(tp, rank), None, (StatePool(StateKind.MAMBA, Indexing.SLOT, (conv,)),))
 
 
 def _full_slot() -> np.ndarray:
@@ -202,9 +200,7 @@ def test_layers_aliasing_at_different_bases_are_coalesced_across_entries() -> No
 
 def test_state_kind_outside_the_model_is_refused_by_name() -> None:
     tail = StateTensor("k", (1 << 36,), (4096,), 512)
-    memory = RankMemory(
-        RankPosition(1, 0), None, (StatePool(StateKind.DSA_TAIL, Indexing.ROW, (tail,)),)
-    )
+    memory = RankMemory(RankPosition(1, 0), None, (StatePool(StateKind.DSA_TAIL, Indexing.ROW, (tail,)),))
     with pytest.raises(UnsupportedTransfer, match="state kind dsa_tail cannot be planned") as caught:
         regions(memory)
     assert caught.value.component == "state[0]:dsa_tail"

@@ -61,9 +61,7 @@ def hybrid(
         )
         heads_geometry = HeadGeometry(PAGE, Layout.HND, heads, HEADS, HEAD_BYTES)
         state.append(
-            StatePool(
-                StateKind.SWA, Indexing.PAGE, swa, heads=heads_geometry, memory_kind=MemoryKind.DRAM
-            )
+            StatePool(StateKind.SWA, Indexing.PAGE, swa, heads=heads_geometry, memory_kind=MemoryKind.DRAM)
         )
     aux = (AuxBuffer("out", base + 30 * STRIDE, 64 * 8, 64),)
     return RankMemory(RankPosition(tp, rank), kv, tuple(state), aux)

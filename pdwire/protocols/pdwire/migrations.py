@@ -167,8 +167,7 @@ def downgrade_RegisterInfo_1_3(msg: Any, model: ModuleType) -> dict[str, Any]:
         value = int(getattr(msg, field))
         if value:
             raise DowngradeError(
-                f"{field} {value} cannot be carried by version 1.3, which places KV pages packed "
-                "at offset 0",
+                f"{field} {value} cannot be carried by version 1.3, which places KV pages packed at offset 0",
                 message="RegisterInfo",
                 field=field,
             )
