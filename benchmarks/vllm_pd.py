@@ -115,7 +115,7 @@ def main() -> int:
             for c in names:
                 pre, dec = pairs[c]
                 before_p, before_d = pre.metrics(), dec.metrics()
-                stats_before = pre.connector_stats() if c == "pdwire" else {}
+                stats_before = pre.connector_stats() if c.startswith("pdwire") else {}
                 _, res = h.run_pd(pre, dec, prompts, args.max_tokens, timeout_s=600)
                 if rnd == 0:
                     continue
@@ -128,7 +128,7 @@ def main() -> int:
                     + h.external_prompt_tokens(after_d)
                     - h.external_prompt_tokens(before_d)
                 )
-                if c == "pdwire":
+                if c.startswith("pdwire"):
                     st = pre.connector_stats()
                     spans = [v for k, v in st["spans"].items() if k not in stats_before.get("spans", {})]
                     r["xfer"] += [b - a for a, b in spans]
