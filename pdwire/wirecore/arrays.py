@@ -152,10 +152,9 @@ def _pack_slow(value: object, dtype: np.dtype[Any], side: SideFrames | None, whe
         arr: npt.NDArray[Any] = value
     else:
         arr = _coerce(value, dtype, where)
-    if side is None or arr.nbytes < SIDE_FRAME_MIN_BYTES:
+    if arr.nbytes < SIDE_FRAME_MIN_BYTES:
         return arr.data
-    side.append(arr)
-    return len(side) + 1
+    return side_frame(arr, dtype, side, where)
 
 
 class Cursor(msgspec.Struct, gc=False):
