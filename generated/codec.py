@@ -20,10 +20,20 @@ _wc.require(4, __name__)
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1
-VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7))
+VERSIONS: tuple[tuple[int, int], ...] = (
+    (1, 0),
+    (1, 1),
+    (1, 2),
+    (1, 3),
+    (1, 4),
+    (1, 5),
+    (1, 6),
+    (1, 7),
+    (1, 8),
+)
 """Every version this build reads and writes, oldest first."""
 NEWEST = VERSIONS[-1]
-SUPPORTED: tuple[tuple[int, int], ...] = ((1, 7),)
+SUPPORTED: tuple[tuple[int, int], ...] = ((1, 8),)
 """Highest minor per major, as a Hello advertises it."""
 
 REGISTRY = _env.Registry(

@@ -20,7 +20,17 @@ from typing import Any, Final
 
 Version = tuple[int, int]
 
-VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7))
+VERSIONS: Final[tuple[Version, ...]] = (
+    (1, 0),
+    (1, 1),
+    (1, 2),
+    (1, 3),
+    (1, 4),
+    (1, 5),
+    (1, 6),
+    (1, 7),
+    (1, 8),
+)
 
 # message -> the version it appeared in
 MESSAGES: Final[dict[str, Version]] = {
@@ -120,6 +130,9 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterInfo", "k_page_offset"): (1, 4),
     ("RegisterInfo", "v_page_offset"): (1, 4),
     ("RegisterInfo", "kv_head_stride"): (1, 6),
+    ("RegisterInfo", "scatter_base"): (1, 8),
+    ("RegisterInfo", "scatter_len"): (1, 8),
+    ("RegisterInfo", "scatter_mem_descs"): (1, 8),
     ("TransferRequest", "room"): (1, 0),
     ("TransferRequest", "sender"): (1, 0),
     ("TransferRequest", "dst_kv_indices"): (1, 0),
@@ -129,6 +142,9 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("TransferRequest", "decode_prefix_len"): (1, 0),
     ("TransferRequest", "is_dummy"): (1, 0),
     ("TransferRequest", "state_indices"): (1, 1),
+    ("TransferRequest", "scatter_offset"): (1, 8),
+    ("TransferRequest", "scatter_page_bytes"): (1, 8),
+    ("TransferRequest", "scatter_pages"): (1, 8),
     ("TransferStatus", "room"): (1, 0),
     ("TransferStatus", "status"): (1, 0),
     ("TransferStatus", "sender_rank"): (1, 0),
@@ -144,6 +160,8 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("Notification", "chunk_count"): (1, 5),
     ("Notification", "also_components"): (1, 5),
     ("Notification", "also_aux"): (1, 5),
+    ("Notification", "scatter_first_page"): (1, 8),
+    ("Notification", "scatter_pages"): (1, 8),
     ("Abort", "room"): (1, 0),
     ("Abort", "sender"): (1, 0),
     ("Abort", "reason"): (1, 0),
@@ -155,6 +173,7 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterAck", "reason"): (1, 2),
     ("RegisterAck", "kv_layers"): (1, 7),
     ("RegisterAck", "state_layers"): (1, 7),
+    ("RegisterAck", "kv_heads"): (1, 8),
 }
 
 # (message, field) -> the version writers stopped sending it in

@@ -9,7 +9,18 @@ memory (the place a device copier plugs in).
 from pdwire.runtime.staging.arena import StagingArena
 from pdwire.runtime.staging.copy import Copier, CopyError, HostCopier
 from pdwire.runtime.staging.cost import COSTS, Choice, CostModel, Costs
-from pdwire.runtime.staging.transform import Mode, StagedPlan, both, direct, gather, merge_runs, runs, scatter
+from pdwire.runtime.staging.transform import (
+    Mode,
+    StagedPlan,
+    both,
+    direct,
+    gather,
+    merge_runs,
+    runs,
+    scatter,
+    scatter_copy,
+    scatter_write,
+)
 
 __all__ = [
     "COSTS",
@@ -28,4 +39,6 @@ __all__ = [
     "merge_runs",
     "runs",
     "scatter",
+    "scatter_copy",
+    "scatter_write",
 ]

@@ -8,8 +8,11 @@ with host (or device) copies instead, so the engine sees few large rows:
   destination order, then write staging -> destination. Rows whose destinations are adjacent
   become one engine row: one per destination run (NHD P2 -> D4: one per page run per layer,
   because a decode rank's head slice is its whole page).
-* **scatter** (decode side): write source -> a staging buffer on the peer, in source order, one
-  engine row per source run; the peer then copies every row into place.
+* **scatter** (decode side): write source -> a staging buffer on the peer, in destination order,
+  one engine row per run that continues on the source side too; the peer then copies every row
+  into place. Destination order is what the peer can compute alone (it knows where the bytes go,
+  never where they come from): the staged byte at offset ``o`` is the ``o``-th byte of the
+  part's destination rows sorted by (region, address), on both sides, whatever the row cuts.
 * **both**: gather locally, write the staging buffer in a handful of rows, scatter remotely.
 
 Each step is itself a :class:`DescriptorTable` (``gather``: local -> local staging; ``write``:
@@ -127,19 +130,36 @@ def gather(table: DescriptorTable, staging: int, staging_region: int) -> StagedP
     return StagedPlan(Mode.GATHER, g, w, DescriptorTable.empty(), table.total_bytes, 0)
 
 
-def scatter(table: DescriptorTable, remote_staging: int, remote_region: int) -> StagedPlan:
-    """Write source -> the peer's ``[remote_staging, + total)`` by source runs (in source order);
-    the peer then scatters staging -> destination."""
-    order = _order(table.src_addr, table.src_region)
+def scatter_write(table: DescriptorTable, remote_staging: int, remote_region: int) -> DescriptorTable:
+    """What the writer posts for a scattered part: source -> the peer's ``[remote_staging, +
+    total)`` in destination order, rows continuing on both sides merged."""
+    order = _order(table.dst_addr, table.dst_region)
     n = _take(table.length, order)
     at = np.uint64(remote_staging) + _offsets(n)
     region = np.full(len(n), remote_region, np.uint32)
-    w = merge_runs(
+    return merge_runs(
         DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), region)
     )
-    sc = merge_runs(
+
+
+def scatter_copy(table: DescriptorTable, staging: int, staging_region: int) -> DescriptorTable:
+    """What the receiver copies for a scattered part: its staging range -> the destination rows,
+    in the order :func:`scatter_write` filled it. Reads only ``table``'s destination columns, so
+    the receiver computes it from its own memory (the source side may be any stand-in)."""
+    order = _order(table.dst_addr, table.dst_region)
+    n = _take(table.length, order)
+    at = np.uint64(staging) + _offsets(n)
+    region = np.full(len(n), staging_region, np.uint32)
+    return merge_runs(
         DescriptorTable(at, _take(table.dst_addr, order), n, region, _take(table.dst_region, order))
     )
+
+
+def scatter(table: DescriptorTable, remote_staging: int, remote_region: int) -> StagedPlan:
+    """Write source -> the peer's ``[remote_staging, + total)`` in destination order; the peer
+    then scatters staging -> destination."""
+    w = scatter_write(table, remote_staging, remote_region)
+    sc = scatter_copy(table, remote_staging, remote_region)
     return StagedPlan(Mode.SCATTER, DescriptorTable.empty(), w, sc, 0, table.total_bytes)
 
 
@@ -172,12 +192,13 @@ def both(
 
 
 def runs(table: DescriptorTable, side: str) -> int:
-    """Engine rows a one-sided staging of ``table`` would post: runs of adjacent rows on ``side``
-    ("dst" for gather, "src" for scatter) after sorting by that side. Cheap: no table is built."""
-    addr, region = (table.dst_addr, table.dst_region) if side == "dst" else (table.src_addr, table.src_region)
+    """Engine rows a one-sided staging of ``table`` would post: for a gather ("dst") the runs of
+    adjacent destinations, for a scatter ("src") the runs of adjacent sources, both in destination
+    order (the staged order). Cheap: no table is built."""
     if len(table) < 2:
         return len(table)
-    order = _order(addr, region)
+    order = _order(table.dst_addr, table.dst_region)
+    addr, region = (table.dst_addr, table.dst_region) if side == "dst" else (table.src_addr, table.src_region)
     a, r, n = _take(addr, order), _take(region, order), _take(table.length, order)
     breaks = (a[1:] != a[:-1] + n[:-1]) | (r[1:] != r[:-1])
     return int(breaks.sum()) + 1

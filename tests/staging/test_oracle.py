@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from pdwire.runtime.descriptors import DescriptorTable, Region
+from pdwire.runtime.planner import HeadGeometry, PeerPlan, PlanGroup, RankMemory
 from pdwire.runtime.planner.reference_executor import AddressSpace, execute
-from pdwire.runtime.staging import Mode, both, gather, scatter
+from pdwire.runtime.staging import Mode, both, gather, scatter, scatter_write
+from pdwire.runtime.staging.receive import ScatterPlanner, stand_in_source
 
 from tests.planner import world as oracle
 from tests.planner.strategies import hybrid_worlds, kv_worlds, laid_out_kv_worlds, state_worlds
@@ -137,3 +139,74 @@ def test_gather_turns_head_slices_into_destination_runs() -> None:
     assert sorted(plan.write.length.tolist()) == [tokens * slice_, tokens * slice_, 2 * tokens * slice_]
     assert len(scatter(table, 1 << 42, 1).write) == len(table)  # sources are strided: nothing to merge
     assert len(both(table, 1 << 42, 1, 1 << 43, 1).write) == 1
+
+
+def _scattered_by_decode(world: oracle.World) -> None:
+    """Run ``world`` with every KV table written the way a scattering prefill rank writes it
+    (:func:`scatter_write` into a staging range of the decode rank) and copied into place the
+    way the decode rank does it: from its own memory and a stand-in of the prefill rank built
+    from the geometry it sends (:class:`ScatterPlanner`), never from the prefill's table."""
+    real_prepare, real_execute = oracle.prepare_peer, oracle.execute
+    kv_of: dict[int, tuple[RankMemory, RankMemory, np.ndarray]] = {}
+    scattered: list[int] = []
+
+    def prepare(source: RankMemory, decode: RankMemory) -> PeerPlan:
+        plan = real_prepare(source, decode)
+        plan_kv = plan.plan_kv_chunk
+
+        def planned(chunk_id: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> PlanGroup:
+            group = plan_kv(chunk_id, src_pages, dst_pages)
+            kv_of[id(group.table)] = (source, decode, np.asarray(dst_pages, np.int32))
+            return group
+
+        plan.plan_kv_chunk = planned  # type: ignore[method-assign]
+        return plan
+
+    def run(table: DescriptorTable, src: AddressSpace, dst: AddressSpace, src_regions, dst_regions) -> None:  # type: ignore[no-untyped-def]
+        found = kv_of.pop(id(table), None)
+        if found is None or not len(table) or found[0].kv is None or found[0].kv.is_mla:
+            real_execute(table, src, dst, src_regions, dst_regions)
+            return
+        source, decode, dst_pages = found
+        assert source.kv is not None and decode.kv is not None
+        kv = source.kv
+        heads = HeadGeometry(
+            kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head
+        )
+        stand_in = stand_in_source(source.position, heads, kv.num_layers, len(dst_pages), decode.kv)
+        receiver = ScatterPlanner(decode, stand_in)
+        space, region = _staging(REMOTE_STAGING, table.total_bytes)
+        rs = len(dst_regions)
+        dst_all = [*dst_regions, region]
+        write = scatter_write(table, REMOTE_STAGING, rs)
+        copy = receiver.copy_table(dst_pages, REMOTE_STAGING, rs)
+        assert write.total_bytes == copy.total_bytes == table.total_bytes
+        assert receiver.page_bytes * len(dst_pages) == table.total_bytes
+        real_execute(write, src, space, [*src_regions], dst_all)
+        real_execute(copy, space, dst, dst_all, dst_all)
+        scattered.append(len(table))  # MLA writes its replicated latent whole: never scattered
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(oracle, "prepare_peer", prepare)
+        mp.setattr(oracle, "execute", run)
+        oracle.run_world(world)
+    if world.kv is not None and not world.kv.is_mla and len(world.dst_pages):
+        assert scattered, "no KV table went through the scatter path"
+
+
+@ORACLE
+@given(world=kv_worlds(hetero=True))
+def test_kv_scattered_by_the_decode_rank(world: oracle.World) -> None:
+    _scattered_by_decode(world)
+
+
+@ORACLE
+@given(world=laid_out_kv_worlds())
+def test_strided_layouts_scattered_by_the_decode_rank(world: oracle.World) -> None:
+    _scattered_by_decode(world)
+
+
+@ORACLE
+@given(world=hybrid_worlds())
+def test_hybrid_kv_scattered_by_the_decode_rank(world: oracle.World) -> None:
+    _scattered_by_decode(world)
