@@ -280,15 +280,28 @@ class DecodeConfig(WorkerConfig):
     ``fence_timeout_s``: how long past the room's deadline a failed room's slots wait for a silent
     prefill rank before it is revoked (default twice the room timeout); ``peer_timeout_s``: a
     prefill rank whose control connection answers no heartbeat for that long is lost (its rooms
-    fail at once and it is revoked; the rank reconnects in the background)."""
+    fail at once and it is revoked; the rank reconnects in the background).
+
+    ``scatter_bytes``: the receive staging buffer (allocated and registered at start; 0 turns
+    decode-side scatter off). A room reserves a range of it per prefill rank for its first pages;
+    prefill ranks that agreed on 1.8 may write those pages' KV there in few large rows, and this
+    rank copies them into place (NHD from a larger prefill TP: one engine row per token and
+    layer otherwise)."""
 
     advertise: str | None = None
     handshake_timeout_s: float = 30.0
     fence_timeout_s: float | None = None
     peer_timeout_s: float = 5.0
+    scatter_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if (
+            isinstance(self.scatter_bytes, bool)
+            or not isinstance(self.scatter_bytes, int)
+            or self.scatter_bytes < 0
+        ):
+            raise ConfigError(f"DecodeConfig.scatter_bytes must be an int >= 0, got {self.scatter_bytes!r}")
         _positive(self, "handshake_timeout_s")
         _positive(self, "fence_timeout_s", optional=True)
         _positive(self, "peer_timeout_s")

@@ -28,7 +28,7 @@ from enum import Enum
 import numpy as np
 from pdwire.runtime.config import ConfigError, ParallelRank
 from pdwire.runtime.indices import RESERVED_ROOM
-from pdwire.runtime.planner import RankMemory
+from pdwire.runtime.planner import HeadGeometry, RankMemory
 from pdwire.runtime.session.actions import PeerRef, SendRequest
 from pdwire.runtime.session.events import (
     AbortAcked,
@@ -43,11 +43,12 @@ from pdwire.runtime.session.events import (
 from pdwire.runtime.session.failures import Failure, HandshakeError, failure_from_wire
 from pdwire.runtime.session.hello import (
     REGISTER_ACK_SINCE,
+    SCATTER_SINCE,
     STAGE_LAYERS_SINCE,
     check_descriptors,
     check_hello,
 )
-from pdwire.runtime.session.registration import check_layout_version, register_info
+from pdwire.runtime.session.registration import check_layout_version, heads_from_wire, register_info
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
@@ -74,6 +75,20 @@ class DecodeLocal:
     agent_name: str
     agent_metadata: bytes
     region_descs: tuple[bytes, ...] = ()
+    scatter: tuple[int, int] = (0, 0)  # the receive staging buffer (base, length); (0, 0): none
+
+    def register_info(self, version: tuple[int, int]) -> wire.RegisterInfo:
+        return register_info(
+            self.memory,
+            endpoint=self.endpoint,
+            engine_id=self.hello.engine_id,
+            agent_name=self.agent_name,
+            agent_metadata=self.agent_metadata,
+            region_descs=self.region_descs,
+            version=version,
+            geometry=self.geometry,
+            scatter=self.scatter,
+        )
 
     @property
     def geometry(self) -> wire.ParallelGeometry:
@@ -106,6 +121,10 @@ class DecodeConnection:
         self.position: ParallelRank | None = None
         self.refusal: str | None = None
         self._registration: wire.RegisterInfo | None = None  # the first RegisterInfo, once sent
+        # from the RegisterAck (1.8): the prefill rank's KV head geometry and layers, from which
+        # this rank computes where its staged bytes go (None: it sent none, it does not scatter)
+        self.prefill_heads: HeadGeometry | None = None
+        self.prefill_kv_layers: tuple[int, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -138,16 +157,7 @@ class DecodeConnection:
             return []
         assert self.version is not None
         self.local = local
-        info = register_info(
-            local.memory,
-            endpoint=local.endpoint,
-            engine_id=local.hello.engine_id,
-            agent_name=local.agent_name,
-            agent_metadata=local.agent_metadata,
-            region_descs=local.region_descs,
-            version=self.version,
-            geometry=local.geometry,
-        )
+        info = local.register_info(self.version)
         self.state = DecodeConnState.REREGISTERING
         return [Send(info, self.version)]
 
@@ -208,16 +218,7 @@ class DecodeConnection:
                 version, self.local.memory, msg.engine_id, own_layout=True,
                 prefill_tp=msg.geometry.tp_size, decode_tp=self.local.geometry.tp_size,
             )  # fmt: skip
-            info = register_info(
-                self.local.memory,
-                endpoint=self.local.endpoint,
-                engine_id=self.local.hello.engine_id,
-                agent_name=self.local.agent_name,
-                agent_metadata=self.local.agent_metadata,
-                region_descs=self.local.region_descs,
-                version=version,
-                geometry=self.local.geometry,
-            )
+            info = self.local.register_info(version)
             try:
                 wire.encode(info, version)  # refused here, by name, rather than at the edge
             except wire.WireError as exc:  # e.g. DowngradeError: this memory does not fit an older version
@@ -277,6 +278,12 @@ class DecodeConnection:
         if self.version >= STAGE_LAYERS_SINCE and isinstance(msg, wire.RegisterAck):
             state = tuple(tuple(ids.tolist()) for ids in msg.state_layers)
             layers = HeldLayers(tuple(msg.kv_layers.tolist()), state)
+            self.prefill_kv_layers = layers.kv
+        if self.version >= SCATTER_SINCE and isinstance(msg, wire.RegisterAck) and msg.kv_heads is not None:
+            try:
+                self.prefill_heads = heads_from_wire(msg.kv_heads)
+            except ValueError:  # a value outside the enum: no scatter from this rank
+                self.prefill_heads = None
         return [Ready(self.peer, self.position, self.version, layers)]
 
     def _on_room_message(self, msg: wire.Message) -> list[DecodeEvent]:
@@ -296,9 +303,14 @@ class DecodeConnection:
 
     # ------------------------------------------------------------------ actions -> messages
 
-    def transfer_request(self, a: SendRequest) -> wire.TransferRequest:
+    def transfer_request(
+        self, a: SendRequest, scatter: tuple[int, int, int] | None = None
+    ) -> wire.TransferRequest:
+        """``scatter``: the room's receive staging range for this rank (offset, bytes per page,
+        pages), only for a peer that agreed on 1.8."""
         r = a.indices
         empty = np.zeros(0, dtype=np.int32)
+        offset, page_bytes, pages = (-1, 0, 0) if scatter is None else scatter
         return wire.TransferRequest(
             room=a.room,
             sender=self.local.endpoint,
@@ -308,6 +320,9 @@ class DecodeConnection:
             decode_prefix_len=r.decode_prefix_len,
             is_dummy=a.is_dummy,
             state_indices=[] if a.is_dummy else list(r.state),
+            scatter_offset=offset,
+            scatter_page_bytes=page_bytes,
+            scatter_pages=pages,
         )
 
     def abort(self, room: int, failure: Failure) -> wire.Abort:

@@ -113,6 +113,10 @@ class Completed:
     chunk_count: int = 1
     also_components: tuple[int, ...] = ()
     also_aux: bool = False
+    # protocol 1.8: KV pages [scatter_first, + scatter_pages) of the room's page list were
+    # written to its receive staging range, for this rank to copy into place first
+    scatter_first: int = 0
+    scatter_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,4 +143,6 @@ def completion(msg: wire.Message) -> Completed | Problem:
         int(msg.chunk_count),
         tuple(int(c) for c in msg.also_components),
         bool(msg.also_aux),
+        int(msg.scatter_first_page),
+        int(msg.scatter_pages),
     )

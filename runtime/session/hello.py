@@ -85,6 +85,7 @@ SHARDED_STATE_WRITERS_SINCE = features.promise_since("sharded_state_from_every_r
 ALIASING_SINCE = features.promise_since("aliased_registrations")
 MERGED_PARTS_SINCE = features.field_since("Notification", "chunk_count")  # one write, several parts
 STAGE_LAYERS_SINCE = features.field_since("RegisterAck", "kv_layers")  # layers a prefill rank holds
+SCATTER_SINCE = features.field_since("RegisterInfo", "scatter_base")  # decode-side scatter
 
 
 def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:

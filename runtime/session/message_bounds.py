@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 from pdwire.runtime.planner import Indexing, RankMemory
+from pdwire.runtime.session.hello import SCATTER_SINCE
 
 from pdwire import wire
 from pdwire.wirecore.header import parse_header
@@ -41,6 +42,7 @@ _ITEM = np.dtype(np.int32).itemsize  # every index list of TransferRequest is i3
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
 I32_MIN = -(1 << 31)
+I64_MIN = -(1 << 63)
 
 
 class MessageTooLarge(Exception):
@@ -87,6 +89,8 @@ def _encoded(version: tuple[int, int], sender: str, kv: int, state: Sequence[int
         is_dummy=True,
         state_indices=[ids(n) for n in state],
     )
+    if version >= SCATTER_SINCE:  # the receive staging range: fixed-size integers at their widest
+        probe.scatter_offset, probe.scatter_page_bytes, probe.scatter_pages = I64_MIN, U64_MAX, U32_MAX
     try:
         return wire.encode(probe, version)
     except wire.DowngradeError:

@@ -56,13 +56,19 @@ from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError
 from pdwire.runtime.session.hello import (
     MERGED_PARTS_SINCE,
     REGISTER_ACK_SINCE,
+    SCATTER_SINCE,
     STAGE_LAYERS_SINCE,
     check_descriptors,
     check_hello,
 )
 from pdwire.runtime.session.message_bounds import MessageLimits, MessageTooLarge, peer_limits
 from pdwire.runtime.session.prefill_room import Destination, Target
-from pdwire.runtime.session.registration import check_layout_version, join_region_descs, remote_memory
+from pdwire.runtime.session.registration import (
+    check_layout_version,
+    join_region_descs,
+    kv_heads_to_wire,
+    remote_memory,
+)
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
 
@@ -101,6 +107,9 @@ class PrefillConnection:
         self.version: tuple[int, int] | None = None
         self.peer: PeerRef | None = None  # from the peer's Hello
         self.plan: PeerPlan | None = None  # once registered
+        # the peer's receive staging buffer (base, length), from a 1.8 registration; (0, 0): none
+        self.scatter: tuple[int, int] = (0, 0)
+        self._pending_scatter: tuple[int, int] = (0, 0)
         self.refusal: str | None = None
         self._hello: wire.Hello | None = None  # the peer's accepted Hello, to check its registration
         self._pending: PeerPlan | None = None  # prepared, waiting for the engine's add_peer
@@ -145,6 +154,7 @@ class PrefillConnection:
 
     def _on_hello(self, hello: wire.Hello) -> list[PrefillEvent]:
         self.plan = self._pending = self._hello = None
+        self.scatter = self._pending_scatter = (0, 0)
         self.limits = self._pending_limits = None
         try:
             self.version = check_hello(self.local.hello, hello)
@@ -177,6 +187,9 @@ class PrefillConnection:
             plan = prepare_peer(self.local.memory, remote)
             descs = join_region_descs(info, remote)
             limits = peer_limits(remote, info.endpoint, self.version)
+            scatter = self._scatter_of(info, descs)
+            if scatter != (0, 0) and descs:
+                descs = (*descs, bytes(info.scatter_mem_descs[0]))
         except (HandshakeError, PlanError) as exc:
             return [self._refuse_registration(f"{type(exc).__name__}: {exc}")]
         except Exception as exc:
@@ -185,7 +198,21 @@ class PrefillConnection:
             reason = f"malformed RegisterInfo ({type(exc).__name__}: {exc})"
             return [self._refuse_registration(reason)]
         self._pending, self._pending_limits, self.state = plan, limits, PrefillConnState.ADDING_PEER
+        self._pending_scatter = scatter
         return [AddPeer(self.peer, info.agent_name, bytes(info.agent_metadata), descs)]
+
+    def _scatter_of(self, info: wire.RegisterInfo, descs: tuple[bytes, ...]) -> tuple[int, int]:
+        """The peer's receive staging buffer, if it offers one this rank can write: (0, 0) for an
+        older version, none given, or a descriptor count that does not match the other regions'
+        (the peer then gets direct writes only; nothing else depends on the buffer)."""
+        assert self.version is not None
+        if self.version < SCATTER_SINCE or not info.scatter_len or not info.scatter_base:
+            return (0, 0)
+        if len(info.scatter_mem_descs) != (1 if descs else 0):
+            return (0, 0)
+        if int(info.scatter_base) + int(info.scatter_len) > 1 << 64:
+            return (0, 0)
+        return (int(info.scatter_base), int(info.scatter_len))
 
     def _check_against_hello(self, info: wire.RegisterInfo) -> None:
         """A registration speaks for the rank that sent the Hello: same engine, same grid
@@ -205,6 +232,7 @@ class PrefillConnection:
         """The engine added the peer of the last :class:`~.events.AddPeer`: registered."""
         assert self.state is PrefillConnState.ADDING_PEER and self.peer is not None
         self.plan, self._pending, self.state = self._pending, None, PrefillConnState.READY
+        self.scatter, self._pending_scatter = self._pending_scatter, (0, 0)
         self.limits, self._pending_limits = self._pending_limits, None
         return [Send(self._register_answer(None), self.version), Registered(self.peer)]
 
@@ -228,6 +256,8 @@ class PrefillConnection:
                 held = HeldLayers.of(self.local.memory)  # decode checks its PP stages with them
                 layers["kv_layers"] = np.asarray(held.kv, np.uint32)
                 layers["state_layers"] = [np.asarray(ids, np.uint32) for ids in held.state]
+            if failure is None and self.version >= SCATTER_SINCE:
+                layers["kv_heads"] = kv_heads_to_wire(self.local.memory)  # decode scatters with it
             return wire.RegisterAck(
                 accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason, **layers
             )
@@ -252,9 +282,21 @@ class PrefillConnection:
             tuple(states) if states else tuple(np.zeros(0, np.int32) for _ in range(n)),
             int(req.dst_aux_index),
             int(req.decode_prefix_len) // self.local.page_size,
+            self._scatter_range(req),
         )
         target = Target.of(self.peer, self.plan.is_dummy, self.plan.writes_aux, dst)
         return [Requested(room, target, int(req.required_dst_info_num))]
+
+    def _scatter_range(self, req: wire.TransferRequest) -> tuple[int, int, int] | None:
+        """The request's range of the peer's receive staging buffer (offset, bytes per page, pages),
+        or None: no range, or one outside the buffer (then the room is written directly)."""
+        length = self.scatter[1]
+        offset, per_page, pages = int(req.scatter_offset), int(req.scatter_page_bytes), int(req.scatter_pages)
+        if not length or offset < 0 or per_page <= 0 or pages <= 0:
+            return None
+        if offset + per_page * pages > length or pages > len(req.dst_kv_indices):
+            return None
+        return (offset, per_page, pages)
 
     def _request_problem(self, plan: PeerPlan, req: wire.TransferRequest) -> str | None:
         """What makes a request unplannable as a whole, before any of it is posted."""

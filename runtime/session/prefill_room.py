@@ -64,6 +64,9 @@ class Destination:
     state: tuple[I32, ...] = ()
     aux_index: int = -1
     skip_pages: int = 0
+    # protocol 1.8: the decode rank's receive staging range for this room (offset, bytes per page,
+    # pages): KV chunks inside its first pages may be written there for decode to scatter
+    scatter: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +273,7 @@ class PrefillRoom:
             KvPart(
                 chunk.chunk_id, chunk.start, chunk.stop, chunk.is_last,
                 chunk.pages[lo - chunk.start : hi - chunk.start], dst.kv_pages[lo - skip : hi - skip],
+                lo - skip, _scatter_at(dst.scatter, lo - skip, hi - skip),
             )
         ]  # fmt: skip
         if not chunk.is_last:
@@ -341,3 +345,12 @@ class PrefillRoom:
         self._acks_owed = []
         actions.append(ReleaseRoom(self.room, Status.FAILED, failure))
         return actions
+
+
+def _scatter_at(scatter: tuple[int, int, int] | None, first: int, stop: int) -> tuple[int, int]:
+    """(offset in the decode rank's receive staging buffer, bytes per page) for destination pages
+    ``[first, stop)``, or (-1, 0) when they are not all inside the room's staging range."""
+    if scatter is None or stop <= first:
+        return (-1, 0)
+    offset, per_page, pages = scatter
+    return (offset + first * per_page, per_page) if stop <= pages else (-1, 0)

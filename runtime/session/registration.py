@@ -59,6 +59,7 @@ from pdwire.runtime.session.failures import HandshakeError, RegistrationMismatch
 from pdwire.runtime.session.hello import (
     ALIASING_SINCE,
     LAYOUTS_SINCE,
+    SCATTER_SINCE,
     SELF_DESCRIBING_SINCE,
     SHARDED_STATE_WRITERS_SINCE,
 )
@@ -97,6 +98,27 @@ def _heads_to_wire(h: HeadGeometry | None) -> wire.HeadSharding | None:
         kv_heads_per_rank=h.kv_heads_per_rank,
         kv_heads_total=h.total_kv_heads,
         bytes_per_head=h.bytes_per_head,
+    )
+
+
+def heads_from_wire(h: wire.HeadSharding) -> HeadGeometry:
+    return HeadGeometry(
+        h.page_size,
+        _WIRE_TO_LAYOUT[wire.KvLayout(h.layout)],
+        h.kv_heads_per_rank,
+        h.kv_heads_total,
+        h.bytes_per_head,
+    )
+
+
+def kv_heads_to_wire(memory: RankMemory) -> wire.HeadSharding | None:
+    """The head geometry of ``memory``'s KV pool (what a decode rank plans scatters with);
+    None without a KV pool or for MLA."""
+    kv = memory.kv
+    if kv is None or kv.is_mla:
+        return None
+    return _heads_to_wire(
+        HeadGeometry(kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head)
     )
 
 
@@ -296,6 +318,7 @@ def register_info(
     region_descs: Sequence[bytes] = (),
     version: tuple[int, int] = wire.NEWEST,
     geometry: wire.ParallelGeometry | None = None,
+    scatter: tuple[int, int] = (0, 0),
 ) -> wire.RegisterInfo:
     """The decode rank's registration, from the same description its planner uses.
 
@@ -305,6 +328,8 @@ def register_info(
     ``kv_mem_descs`` (the component self-description is always filled; the codec drops it
     for older peers, which borrow the structure from their own model). ``geometry`` is the
     rank's full position (CP and DP included); by default the TP and PP of ``memory.position``.
+    ``scatter`` is the receive staging buffer (base, length), registered after the planner's
+    regions (its descriptor is the last of ``region_descs``); advertised from 1.8.
     """
     kv = memory.kv
     if kv is None:
@@ -317,6 +342,11 @@ def register_info(
             f"(from {_fmt(max(since for since, _ in needs))})"
         )
     pos = memory.position
+    scatter_descs: list[bytes] = []
+    if scatter[1] and region_descs:
+        region_descs, scatter_descs = region_descs[:-1], [bytes(region_descs[-1])]
+    if version < SCATTER_SINCE:
+        scatter, scatter_descs = (0, 0), []
     kv_descs, comp_descs = _split_region_descs(memory, region_descs)
     comps = []
     for c, descs in zip(memory.state, comp_descs, strict=True):
@@ -395,6 +425,9 @@ def register_info(
         k_page_offset=kv.k_offset,
         v_page_offset=kv.v_offset,
         kv_head_stride=wire_head_stride(kv),
+        scatter_base=scatter[0],
+        scatter_len=scatter[1],
+        scatter_mem_descs=scatter_descs,
     )
 
 
@@ -529,16 +562,7 @@ def _described_component(ci: int, wc: wire.StateComponent, lc: StatePool, tp_siz
             "heads",
             f"{'present' if wc.heads is not None else 'absent'} with sharding {sharding.name.lower()}",
         )
-    heads = None
-    if wc.heads is not None:
-        h = wc.heads
-        heads = HeadGeometry(
-            h.page_size,
-            _WIRE_TO_LAYOUT[wire.KvLayout(h.layout)],
-            h.kv_heads_per_rank,
-            h.kv_heads_total,
-            h.bytes_per_head,
-        )
+    heads = None if wc.heads is None else heads_from_wire(wc.heads)
     shard = _ints(wc.shard_axis_sizes) or (0,) * len(wc.base_addrs)  # lengths checked by _split_layers
     layouts = list(wc.tensor_layouts)
     if layouts and len(layouts) != len(names):

@@ -48,8 +48,23 @@ import zmq
 from pdwire.runtime.backends import Backend
 from pdwire.runtime.config import ConfigError, DecodeConfig
 from pdwire.runtime.indices import IndicesError, RequestIndices, check_room
-from pdwire.runtime.planner import DecodeRoute, Indexing, RankMemory, has_tp_sharded_state, route_decode_rank
-from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots, RevokePeer, SendAbort
+from pdwire.runtime.planner import (
+    DecodeRoute,
+    Indexing,
+    PlanError,
+    RankMemory,
+    has_tp_sharded_state,
+    route_decode_rank,
+)
+from pdwire.runtime.session.actions import (
+    Action,
+    PeerRef,
+    ReleaseRoom,
+    ReleaseSlots,
+    RevokePeer,
+    SendAbort,
+    SendRequest,
+)
 from pdwire.runtime.session.decode_connection import DecodeConnection, DecodeConnState, DecodeLocal, Expected
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.events import (
@@ -80,9 +95,11 @@ from pdwire.runtime.session.hello import FENCE_SINCE, Identity
 from pdwire.runtime.session.routing import GroupRoute
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
+from pdwire.runtime.staging import Copier, CopyError
 from pdwire.runtime.workers.backoff import WAKEUP_FALLBACK_MS, PollBackoff
 from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, log_refusal, refusal_text, resolve
 from pdwire.runtime.workers.failure_log import FailureLog, log
+from pdwire.runtime.workers.scatter import ScatterGeometryError, ScatterReceiver, ScatterRefused
 from pdwire.runtime.workers.setup import owned_backend, register_memory
 from zmq.utils.monitor import recv_monitor_message
 
@@ -191,12 +208,18 @@ class DecodeStats:
     # failed rooms with their reason, and anything odd: bounded, the newest and a total
     failures: FailureLog = field(default_factory=FailureLog)
     peer_errors: int = 0  # messages of a peer whose handling raised: that peer's rooms failed
+    scattered_pages: int = 0  # KV pages copied out of the receive staging buffer into place
+    scattered_bytes: int = 0
+    scatter_s: float = 0.0  # time in those copies
 
 
 class DecodeWorker:
     """One decode rank. Not thread-safe: call it from one thread (or use :class:`.WorkerThread`).
 
-    ``backend`` and ``context`` as for :class:`~.prefill.PrefillWorker`.
+    ``backend`` and ``context`` as for :class:`~.prefill.PrefillWorker`. ``copier``: copies staged
+    KV pages out of the receive staging buffer (``DecodeConfig.scatter_bytes``) into place; the
+    default copies host memory (a KV cache in device memory takes a device copier, or no
+    decode-side scatter is offered).
     """
 
     def __init__(
@@ -209,6 +232,7 @@ class DecodeWorker:
         on_finished: OnFinished | None = None,
         on_slots_released: OnSlotsReleased | None = None,
         on_connected: OnConnected | None = None,
+        copier: Copier | None = None,
     ) -> None:
         if memory.kv is None:
             raise ConfigError("a decode rank's memory needs a KV pool (memory.kv is None)")
@@ -220,6 +244,8 @@ class DecodeWorker:
         self.backend, self._owns_backend = owned_backend(config, "decode", backend)
         try:
             register_memory(self.backend, memory, config.rank)
+            # after the planner's regions: every peer gets a revocable window onto it too
+            self._scatter = ScatterReceiver(self.backend, memory, config.scatter_bytes, copier)
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
@@ -404,6 +430,7 @@ class DecodeWorker:
             md.agent_name,
             md.agent_metadata,
             md.region_descs,
+            self._scatter.advertised,
         )
 
     def _open(
@@ -520,11 +547,26 @@ class DecodeWorker:
             return
         now = time.monotonic()
         r = self.session.start_room(room, plans, now, deadline - now)
+        senders = {p.peer: p.sender for p in plans}
         for req in requests:
             link = self._links[req.peer]
-            self._send(link, link.conn.transfer_request(req), link.conn.version)
+            scatter = self._reserve(room, senders[req.peer], req, link)
+            self._send(link, link.conn.transfer_request(req, scatter), link.conn.version)
             self.stats.requests_sent += 1
         r.on_requests_sent()
+
+    def _reserve(self, room: int, sender: int, req: SendRequest, link: _Link) -> tuple[int, int, int] | None:
+        """A receive staging range for the room's first pages from this prefill rank (offset,
+        bytes per page, pages), if both sides scatter; None: it writes them in place."""
+        conn = link.conn
+        heads, position = conn.prefill_heads, conn.position
+        if req.is_dummy or heads is None or position is None or not len(req.indices.kv_pages):
+            return None
+        planner = self._scatter.planner(link.key, position, heads, conn.prefill_kv_layers)
+        if planner is None:
+            return None
+        r = self._scatter.reserve(room, sender, req.peer, planner, req.indices.kv_pages)
+        return None if r is None else (r.offset, r.page_bytes, r.pages)
 
     def _start_awaiting(self, now: float) -> None:
         """Rooms waiting for ranks to register again: sent once they are, failed at their
@@ -664,11 +706,17 @@ class DecodeWorker:
         if r is None:
             return False
         self.stats.reclaimed += 1
+        self._scatter.release(room, keep=r.unfenced())  # a late write may still land in those
         waiting = ", ".join(str(p) for p in r.unfenced()) or "none"
         text = f"room {room}: reclaimed by the engine before its writers fenced (waiting for: {waiting})"
         self.stats.failures.append(text)
         log.warning("%s", text)
         return True
+
+    @property
+    def scatter_in_use(self) -> int:
+        """Bytes of the receive staging buffer reserved by rooms whose slots are not released."""
+        return self._scatter.arena.in_use
 
     @property
     def quarantined_rooms(self) -> tuple[int, ...]:
@@ -973,6 +1021,8 @@ class DecodeWorker:
 
     def _on_event(self, e: DecodeEvent) -> None:
         if isinstance(e, Completed):
+            if e.scatter_pages and not self._scatter_in(e):
+                return
             self._run(
                 self.session.on_notification(
                     e.room, e.sender, e.kind, e.chunk_id, e.is_last, e.component,
@@ -985,6 +1035,23 @@ class DecodeWorker:
             self._run(self.session.on_abort_ack(e.room, e.sender))
         elif isinstance(e, Problem):
             self.stats.failures.append(e.text)
+
+    def _scatter_in(self, e: Completed) -> bool:
+        """Copy the staged pages a notification names into place; False (the room failed) when
+        they cannot be: the parts are then not counted, so no Success covers unplaced bytes."""
+        if e.room not in self.session.rooms:
+            return True  # a late notification of an ended room: the session ignores it
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._scatter.scatter(e.room, e.sender, e.scatter_first, e.scatter_pages)
+        except (ScatterRefused, ScatterGeometryError, CopyError, PlanError) as exc:
+            why = f"staged KV pages from prefill rank {e.sender} cannot be placed: {exc}"
+            self._run(self.session.abort(e.room, Failure(FailureKind.VALIDATION, why)))
+            return False
+        self.stats.scatter_s += time.perf_counter() - t0
+        self.stats.scattered_pages += e.scatter_pages
+        self.stats.scattered_bytes += nbytes
+        return True
 
     def _run(self, actions: list[Action]) -> None:
         for a in actions:
@@ -1003,8 +1070,10 @@ class DecodeWorker:
                     self.stats.failures.append(f"room {a.room}: {reason}")
                 if self.on_finished is not None:
                     self.on_finished(a.room, a.status, a.failure)
-            elif isinstance(a, ReleaseSlots) and self.on_slots_released is not None:
-                self.on_slots_released(a.room)
+            elif isinstance(a, ReleaseSlots):
+                self._scatter.release(a.room)  # the room's writes stopped: its ranges are free too
+                if self.on_slots_released is not None:
+                    self.on_slots_released(a.room)
 
     def close(self) -> None:
         """Close every link (and the backend and context the worker made itself). Idempotent."""

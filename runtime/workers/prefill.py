@@ -123,6 +123,8 @@ class PrefillStats:
     merged_parts: int = 0  # parts that rode on another part's engine write (one notification)
     staged_bytes: int = 0
     staging_waits: int = 0  # staged parts that waited for staging space
+    scattered_parts: int = 0  # KV parts written to a decode rank's receive staging, scattered there
+    scattered_bytes: int = 0
     copy_s: float = 0.0  # time in staging copies (gathers)
     failures: FailureLog = field(default_factory=FailureLog)  # bounded: the newest, and a total
     peers_failed: int = 0  # connections dropped because handling their message raised
@@ -714,6 +716,16 @@ class PrefillWorker:
         else:
             note = conn.merged_notification(a.room, [p.part for p in posts])
             table = DescriptorTable.concat(tables)
+        backend_peer = self._backend_peers.get(a.peer)
+        if conn.scatter[1] and backend_peer is not None:
+            sc = self._stager.scatter(backend_peer, conn.scatter, [p.part for p in posts], tables)
+            if sc is not None:  # KV into decode's receive staging, decode copies it into place
+                note.scatter_first_page, note.scatter_pages = sc.first_page, sc.pages
+                payload = wire.encode_bytes(note, conn.version)
+                if self._engine_post(posts, sc.write, payload, sum(len(t) for t in tables)):
+                    self.stats.scattered_parts += sc.kv_parts
+                    self.stats.scattered_bytes += sc.kv_bytes
+                return
         mode = self._stager.choose(table).mode
         if (
             len(posts) > 1

@@ -10,21 +10,25 @@ the engine reports that write final (DONE, or FAILED once confirmed stopped): th
 room covers the staging bytes too. A part that does not fit the arena now waits until a range
 frees; one that never could goes direct.
 
-Only the prefill side copies (gather): a decode rank receives ordinary writes and needs no
-change, at any protocol version. Decode-side scatter (``Mode.SCATTER``/``BOTH``, for NHD from a
-larger prefill TP) needs the decode rank to learn where staged bytes go; it is planned and
-oracle-tested in the pure module but not wired.
+A gather needs nothing of the decode rank, at any protocol version. Decode-side scatter (NHD
+from a larger prefill TP: whole source rows, strided destinations) needs a decode rank that
+agreed on 1.8 and reserved a range of its receive staging buffer for the room
+(:meth:`Stager.scatter`): the KV rows are then written there in the decode rank's destination
+order, few and large, and the decode rank copies them into place
+(:mod:`pdwire.runtime.workers.scatter`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pdwire.runtime.backends import Backend, BackendError
+from pdwire.runtime.backends import Backend, BackendError, Peer
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind
 from pdwire.runtime.planner import PeerPlan
+from pdwire.runtime.session.actions import KvPart, Part
 from pdwire.runtime.staging import (
     Choice,
     Copier,
@@ -35,11 +39,24 @@ from pdwire.runtime.staging import (
     StagingArena,
     gather,
     runs,
+    scatter_write,
 )
 
 # KV chunks are cut so that one staged chunk for one peer takes at most this share of the arena,
 # so that several are in flight at once (the copy of one overlaps the engine's write of another)
 PIECES_IN_FLIGHT = 4
+
+
+@dataclass
+class ScatteredPost:
+    """One write of KV parts into a decode rank's receive staging range (and of the other parts
+    of the same notification in place): the table, and the staged pages for the notification."""
+
+    write: DescriptorTable
+    first_page: int  # position in the room's page list
+    pages: int
+    kv_parts: int
+    kv_bytes: int
 
 
 @dataclass
@@ -159,3 +176,42 @@ class Stager:
                     if staged <= (1 - self.model.min_saving) * direct:
                         self._kv_page[key] = (table.total_bytes // n, max(1, len(table) // n))
         return self._kv_page[key]
+
+    def scatter(
+        self,
+        peer: Peer,
+        buffer: tuple[int, int],
+        parts: Sequence[Part],
+        tables: Sequence[DescriptorTable],
+    ) -> ScatteredPost | None:
+        """The write of ``parts`` (one notification's) with their KV rows into the decode rank's
+        receive staging ``buffer`` (base, length), when the room reserved their pages and the
+        cost model prefers it to direct and gather; None: post them the ordinary way."""
+        base, length = buffer
+        kv = [(p, t) for p, t in zip(parts, tables, strict=True) if isinstance(p, KvPart)]
+        if not length or not kv or any(p.scatter_at[0] < 0 for p, _ in kv):
+            return None
+        first = kv[0][0]
+        at, per_page = first.scatter_at
+        pages = sum(len(p.dst) for p, _ in kv)
+        kv_table = DescriptorTable.concat([t for _, t in kv]) if len(kv) > 1 else kv[0][1]
+        if kv_table.total_bytes != pages * per_page or at + pages * per_page > length:
+            return None  # the decode rank computed another page size: it could not place the bytes
+        if self.model.choose(kv_table, (Mode.GATHER, Mode.SCATTER)).mode is not Mode.SCATTER:
+            return None
+        region = _region_holding(peer, base, length)
+        if region is None:
+            return None
+        write = scatter_write(kv_table, base + at, region)
+        others = [t for p, t in zip(parts, tables, strict=True) if not isinstance(p, KvPart) and len(t)]
+        table = DescriptorTable.concat([write, *others]) if others else write
+        return ScatteredPost(table, first.dst_first, pages, len(kv), kv_table.total_bytes)
+
+
+def _region_holding(peer: Peer, base: int, length: int) -> int | None:
+    """The index of the peer's region that is its receive staging buffer (registered last)."""
+    for i in range(len(peer.regions) - 1, -1, -1):
+        r = peer.regions[i]
+        if r.base <= base and base + length <= r.base + r.length:
+            return i
+    return None

@@ -1,0 +1,176 @@
+"""A decode rank's receive staging: the buffer, the reservations per room and the scatter copies.
+
+The edge of :mod:`pdwire.runtime.staging.receive`. The buffer (``DecodeConfig.scatter_bytes``)
+is allocated through the rank's backend and registered after the planner's regions, so every
+prefill rank gets its own revocable window onto it like onto the KV pages, and the fence covers
+it. Per room and prefill rank the rank reserves a range when it sends the TransferRequest
+(the room's first pages, as many as fit now: ``TransferRequest.scatter_*``); a prefill rank may
+write KV chunks of those pages there and name them in its notification; the rank copies them
+into place (:meth:`ScatterReceiver.scatter`) before it counts the parts. A room's ranges are
+freed with its slots: at Success at once, after a failure only once its fence completed,
+because a late write into a reused range would corrupt another room's copy source.
+
+Host memory only (``HostCopier``); a device copier plugs in as ``copier``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from pdwire.runtime.backends import Backend, BackendError
+from pdwire.runtime.config import ParallelRank
+from pdwire.runtime.descriptors import MemoryKind
+from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory, RankPosition
+from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena
+from pdwire.runtime.staging.receive import ScatterGeometryError, ScatterPlanner, stand_in_source
+
+
+class ScatterRefused(ValueError):
+    """A notification names staged pages this rank did not reserve for that room and sender."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One room's range for one prefill rank: ``pages`` of ``page_bytes`` from ``offset``."""
+
+    peer: object  # the rank's PeerRef: a range is kept while its writer has not fenced
+    offset: int
+    page_bytes: int
+    pages: int
+    dst_pages: npt.NDArray[np.int32]  # the room's first ``pages`` destination pages
+    planner: ScatterPlanner
+
+
+class ScatterReceiver:
+    def __init__(
+        self, backend: Backend, memory: RankMemory, nbytes: int, copier: Copier | None = None
+    ) -> None:
+        self.backend = backend
+        self.memory = memory
+        self.arena = StagingArena(0)
+        self.base = 0
+        self.region = -1
+        self._copier = copier
+        self._planners: dict[object, ScatterPlanner | None] = {}
+        self._rooms: dict[int, dict[int, Reservation]] = {}  # room -> sender rank -> range
+        self.failure = ""  # why the rank offers no receive staging, if it offers none
+        self.kept_bytes = 0  # ranges never reused: their room was reclaimed before a writer fenced
+        kv = memory.kv
+        if nbytes <= 0:
+            self.failure = "scatter_bytes is 0"
+        elif kv is None or kv.is_mla:
+            self.failure = "MLA latents are written whole: nothing to scatter"
+        elif copier is None and kv.memory_kind is not MemoryKind.DRAM:
+            self.failure = "the KV cache is device memory and no device copier was given"
+        else:
+            try:
+                buf = backend.allocate("pdwire-scatter", nbytes)
+                (self.region,) = backend.register([buf.region()])
+            except BackendError as exc:
+                self.failure = f"no receive staging buffer: {type(exc).__name__}: {exc}"
+            else:
+                self.base, self.arena = buf.address, StagingArena(nbytes)
+
+    @property
+    def enabled(self) -> bool:
+        return self.region >= 0
+
+    @property
+    def advertised(self) -> tuple[int, int]:
+        """(base, length) of the buffer for RegisterInfo; (0, 0) when there is none."""
+        return (self.base, self.arena.nbytes) if self.enabled else (0, 0)
+
+    def planner(
+        self, key: object, position: ParallelRank, heads: HeadGeometry, kv_layers: tuple[int, ...]
+    ) -> ScatterPlanner | None:
+        """The scatter planner for the prefill rank registered under ``key`` (its position, head
+        geometry and KV layers); None when its geometry does not plan against this rank's memory
+        or its layers are not one run (its rooms are then written directly)."""
+        if key not in self._planners:
+            self._planners[key] = self._new_planner(position, heads, kv_layers)
+        return self._planners[key]
+
+    def _new_planner(
+        self, position: ParallelRank, heads: HeadGeometry, kv_layers: tuple[int, ...]
+    ) -> ScatterPlanner | None:
+        kv = self.memory.kv
+        if not self.enabled or kv is None or not kv_layers:
+            return None
+        first = kv_layers[0]
+        if list(kv_layers) != list(range(first, first + len(kv_layers))):
+            return None
+        pages = kv.region_lens[0] // kv.stride if kv.region_lens else 0
+        pos = RankPosition(position.tp_size, position.tp_rank, position.pp_size, position.pp_rank, first)
+        try:
+            planner = ScatterPlanner(self.memory, stand_in_source(pos, heads, len(kv_layers), pages, kv))
+        except (PlanError, ValueError):
+            return None
+        return planner if planner.page_bytes > 0 else None
+
+    def forget(self, key: object) -> None:
+        self._planners.pop(key, None)
+
+    def reserve(
+        self, room: int, sender: int, peer: object, planner: ScatterPlanner, dst_pages: npt.NDArray[np.int32]
+    ) -> Reservation | None:
+        """A range for the room's first pages from ``sender`` (as many as fit now; None: none)."""
+        rooms = self._rooms.setdefault(room, {})
+        if sender in rooms:
+            return rooms[sender]
+        p = planner.page_bytes
+        pages = min(len(dst_pages), self.arena.nbytes // p)
+        offset = None
+        while pages > 0 and offset is None:
+            offset = self.arena.alloc(pages * p)
+            if offset is None:
+                pages //= 2
+        if offset is None or pages == 0:
+            if not rooms:
+                del self._rooms[room]
+            return None
+        r = Reservation(peer, offset, p, pages, np.asarray(dst_pages[:pages], np.int32), planner)
+        rooms[sender] = r
+        return r
+
+    def scatter(self, room: int, sender: int, first: int, count: int) -> int:
+        """Copy staged pages ``[first, first + count)`` of ``room`` from ``sender`` into place;
+        returns the bytes copied. Raises :class:`ScatterRefused` for a range not reserved,
+        :class:`CopyError` / :class:`ScatterGeometryError` when the copy cannot be made."""
+        r = self._rooms.get(room, {}).get(sender)
+        if r is None:
+            raise ScatterRefused(f"room {room}: no staging range was reserved for prefill rank {sender}")
+        if count <= 0 or first < 0 or first + count > r.pages:
+            raise ScatterRefused(
+                f"room {room}: prefill rank {sender} names staged pages [{first}, {first + count}), "
+                f"its range holds pages [0, {r.pages})"
+            )
+        table = r.planner.copy_table(
+            r.dst_pages[first : first + count], self.base + r.offset + first * r.page_bytes, self.region
+        )
+        if self._copier is None:
+            self._copier = HostCopier(self.backend.regions)
+        self._copier.copy(table)
+        return table.total_bytes
+
+    def release(self, room: int, keep: Collection[object] = ()) -> int:
+        """The room's slots are free again (its writes stopped): so are its ranges, except those
+        of the writers in ``keep`` (not fenced: a late write may still land there, so the range
+        is never reused). Returns the bytes kept."""
+        kept = 0
+        for r in self._rooms.pop(room, {}).values():
+            if r.peer in keep:
+                kept += r.pages * r.page_bytes
+            else:
+                self.arena.free(r.offset)
+        self.kept_bytes += kept
+        return kept
+
+    @property
+    def rooms(self) -> int:
+        return len(self._rooms)
+
+
+__all__ = ["CopyError", "Reservation", "ScatterGeometryError", "ScatterReceiver", "ScatterRefused"]
