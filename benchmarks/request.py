@@ -80,6 +80,7 @@ class Case:
     chunk_pages: int
     repeats: int
     staging_mib: int = 0  # the prefill ranks' staging buffer (0: staging off)
+    scatter_mib: int = 0  # the decode ranks' receive staging buffer (0: decode-side scatter off)
 
     @property
     def pair(self) -> str:
@@ -132,7 +133,9 @@ def memory_needed(case: Case) -> int:
     content = (
         case.tokens * case.model.heads * case.model.head_bytes * 3 * 2
     )  # both sides' mixes + temporaries
-    staging = len(case.prefill_ranks) * (case.staging_mib << 20)
+    staging = len(case.prefill_ranks) * (case.staging_mib << 20) + len(case.decode_ranks) * (
+        case.scatter_mib << 20
+    )
     return arenas + content + staging + 2 * SCRATCH
 
 
@@ -226,7 +229,11 @@ def _start_ranks(side: _Side, role: str, content: Content | None, where: Placeme
             )
         else:
             worker = pd.DecodeWorker(
-                pd.DecodeConfig(**common), memory, backend=backend, context=ctx, on_finished=done
+                pd.DecodeConfig(**common, scatter_bytes=case.scatter_mib << 20),
+                memory,
+                backend=backend,
+                context=ctx,
+                on_finished=done,
             )
         thread = pd.WorkerThread(worker, name=f"{role}{r}").start()
         side.ranks.append(_Rank(r, lay, backend, buf, worker, thread))
@@ -247,7 +254,15 @@ def _stop(side: _Side) -> None:
         r.backend.close()
 
 
-STATS = ("posts", "descriptors", "bytes_posted", "planned_descriptors", "staged_parts", "copy_s")
+STATS = (
+    "posts",
+    "descriptors",
+    "bytes_posted",
+    "planned_descriptors",
+    "staged_parts",
+    "copy_s",
+    "scattered_parts",
+)
 
 
 def _stats(r: _Rank) -> tuple[float, ...]:
@@ -336,6 +351,11 @@ def _prefill(side: _Side) -> None:
             return
 
 
+def _scatter_s(side: _Side) -> float:
+    """Seconds the decode ranks spent copying staged pages into place so far."""
+    return sum(r.thread.submit(lambda r=r: r.worker.stats.scatter_s).result() for r in side.ranks)
+
+
 def _decode(side: _Side) -> None:
     from pdwire.runtime import engine as pd
 
@@ -359,9 +379,11 @@ def _decode(side: _Side) -> None:
             indices = pd.RequestIndices(dst.pages, dst.state(), dst.aux)
             for r in side.ranks:
                 r.thread.submit(r.worker.start_room, room, indices, r.group).result()
+            scatter_s = _scatter_s(side)
             conn.send(("started",))
             finished = _wait_done(side, room)
-            conn.send(("finished", max(x[4] for x in finished), [x[2:4] for x in finished]))
+            scatter_s = _scatter_s(side) - scatter_s
+            conn.send(("finished", max(x[4] for x in finished), [x[2:4] for x in finished], scatter_s))
         elif cmd[0] == "memcpy":
             left, t = cmd[1], time.perf_counter()
             while left > 0:  # a -> b, then b -> a: each pass reads and writes DRAM
@@ -415,7 +437,9 @@ class Result:
     planned_descriptors: int = 0
     engine_rows: int = 0
     staged_parts: int = 0
+    scattered_parts: int = 0
     copy_s: list[float] = field(default_factory=list)
+    scatter_s: list[float] = field(default_factory=list)
     verified: str = ""
     load: tuple[float, float] = (0.0, 0.0)
 
@@ -450,14 +474,14 @@ def run_case(case: Case) -> Result:
             dec.send(("run", room))
             _expect(dec, "started")
             pre.send(("run", room))
-            _, t0, released, (posts, descs, nbytes, planned, staged, copy_s) = _expect(pre, "ran")
-            _, t1, finished = _expect(dec, "finished")
+            _, t0, released, (posts, descs, nbytes, planned, staged, copy_s, scattered) = _expect(pre, "ran")
+            _, t1, finished, scatter_s = _expect(dec, "finished")
             bad = [x for x in finished + released if x[0] != "SUCCESS"]
             if bad:
                 raise BenchError(f"{case}: room {room} ended {bad}")
             if nbytes != want:
                 raise BenchError(f"{case}: prefill posted {nbytes} bytes, the request is {want}")
-            if not case.staging_mib and planned != res.planned_descriptors:
+            if not case.staging_mib and not case.scatter_mib and planned != res.planned_descriptors:
                 # with staging, KV chunks are cut to fit the staging buffer: other chunk edges
                 raise BenchError(
                     f"posted {planned} planned rows, the planner alone made {res.planned_descriptors}"
@@ -469,8 +493,9 @@ def run_case(case: Case) -> Result:
             res.request_s.append(t1 - t0)
             res.memcpy_s.append(memcpy_s)
             res.copy_s.append(copy_s)
+            res.scatter_s.append(scatter_s)
             res.bytes, res.descriptors, res.posts = int(nbytes), int(planned), int(posts)
-            res.engine_rows, res.staged_parts = int(descs), int(staged)
+            res.engine_rows, res.staged_parts, res.scattered_parts = int(descs), int(staged), int(scattered)
         dec.send(("verify",))
         _, checked, problems = _expect(dec, "verified")
         if problems:
@@ -497,16 +522,21 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _staging_text(r: Result) -> str:
+    parts = []
+    if r.staged_parts or not r.scattered_parts:
+        parts.append(f"{r.staged_parts} parts, gather {statistics.median(r.copy_s) * 1e3:.0f} ms")
+    if r.scattered_parts:
+        parts.append(f"{r.scattered_parts} scattered, {statistics.median(r.scatter_s) * 1e3:.0f} ms")
+    return "; ".join(parts)
+
+
 def _row(r: Result) -> str:
     c = r.case
     req, cp = statistics.median(r.request_s), statistics.median(r.memcpy_s)
     spread = f"{min(r.request_s) * 1e3:.0f}-{max(r.request_s) * 1e3:.0f}"
     layers = "" if c.model.layers == Model().layers else f" ({c.model.layers} layers)"
-    staging = (
-        "off"
-        if not c.staging_mib
-        else f"{r.staged_parts} parts, gather {statistics.median(r.copy_s) * 1e3:.0f} ms"
-    )
+    staging = "off" if not c.staging_mib and not c.scatter_mib else _staging_text(r)
     return (
         f"| {c.backend} | {c.pair} | {c.layout} | {c.tokens}{layers} | {c.ranks_text} | {_size(r.bytes)} | "
         f"{r.descriptors:,} | {staging} | {r.engine_rows:,} | {r.posts:,} | {req * 1e3:.1f} ({spread}) | "
@@ -540,8 +570,22 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
                         pre, dec = subset(p, d, model.heads)
                     chunk = max(1, args.chunk_tokens // model.page)
                     for mib in (int(x) for x in args.staging.split(",")):
+                        scatter = mib if args.scatter < 0 else args.scatter if mib else 0
                         cases.append(
-                            Case(backend, p, d, layout, tokens, pre, dec, model, chunk, args.repeats, mib)
+                            Case(
+                                backend,
+                                p,
+                                d,
+                                layout,
+                                tokens,
+                                pre,
+                                dec,
+                                model,
+                                chunk,
+                                args.repeats,
+                                mib,
+                                scatter,
+                            )
                         )
     return cases
 
@@ -556,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="auto", choices=("auto", "all", "peer"))
     ap.add_argument("--layers", type=int, default=0, help="scale the model to this many KV layers")
     ap.add_argument("--staging", default="0,256", help="prefill staging buffer sizes in MiB to run (0: off)")
+    ap.add_argument(
+        "--scatter",
+        type=int,
+        default=-1,
+        help="decode receive staging buffer in MiB where staging is on (default: the --staging size)",
+    )
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="prefill chunk size (send_chunk)")
     ap.add_argument("--margin-gib", type=float, default=3.0, help="memory left free for others")
     ap.add_argument("--quick", action="store_true", help="the small model, 512 tokens, one repeat (CI)")
@@ -571,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.staging == ap.get_default("staging"):
             args.staging = "0,4"
         if args.cases == ap.get_default("cases"):
-            args.cases = "2-2:HND,2-4:NHD"
+            args.cases = "2-2:HND,2-4:NHD,4-2:NHD"
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from pdwire.runtime.backends import available_backends
