@@ -22,37 +22,18 @@ from pdwire.runtime import engine as pd
 from pdwire.runtime.session.events import Completed
 
 from pdwire import wire
+from tests.workers import nhd_ranks
+from tests.workers.nhd_ranks import Rank
 
 LAYERS, HEADS, HEAD_BYTES, PAGE, POOL = 3, 4, 64, 16, 48
+SHAPE = nhd_ranks.Shape(LAYERS, HEADS, HEAD_BYTES, PAGE, POOL)
 PAGES = 24
 MODEL = pd.ModelFingerprint(model_name="scatter", revision="r", dtype="u8", num_layers=LAYERS)
 ROOM_BYTES_PER_PREFILL_RANK = PAGES * 2 * LAYERS * PAGE * (HEADS // 2) * HEAD_BYTES
 
 
-@dataclass
-class Rank:
-    backend: pd.Backend
-    pools: list[np.ndarray]  # K layers then V layers: [POOL, PAGE, heads, HEAD_BYTES]
-    memory: pd.RankMemory
-
-
 def rank(backend_name: str, name: str, tp: int, r: int, fill: int | None) -> Rank:
-    backend = pd.create_backend(backend_name, agent_name=f"{name}-{time.monotonic_ns()}")
-    heads = HEADS // tp
-    item = PAGE * heads * HEAD_BYTES
-    buf = backend.allocate("kv", 2 * LAYERS * POOL * item).array
-    if fill is not None:
-        buf[:] = np.random.default_rng(fill).integers(0, 256, len(buf), dtype=np.uint8)
-    pools = [
-        buf[i * POOL * item : (i + 1) * POOL * item].reshape(POOL, PAGE, heads, HEAD_BYTES)
-        for i in range(2 * LAYERS)
-    ]
-    bases = [int(p.ctypes.data) for p in pools]
-    kv = pd.KvPool(
-        tuple(bases[:LAYERS]), tuple(bases[LAYERS:]), (POOL * item,) * LAYERS, item, PAGE, pd.Layout.NHD,
-        heads, HEADS, HEAD_BYTES, memory_kind=pd.MemoryKind.DRAM,
-    )  # fmt: skip
-    return Rank(backend, pools, pd.RankMemory(pd.RankPosition(tp, r), kv))
+    return nhd_ranks.rank(SHAPE, backend_name, name, tp, r, fill)
 
 
 Worker = pd.PrefillWorker | pd.DecodeWorker

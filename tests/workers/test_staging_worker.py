@@ -13,42 +13,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from pdwire.runtime import engine as pd
 
+from tests.workers import nhd_ranks
+from tests.workers.nhd_ranks import Rank
+
 LAYERS, HEADS, HEAD_BYTES, PAGE, POOL = 4, 4, 64, 16, 64
+SHAPE = nhd_ranks.Shape(LAYERS, HEADS, HEAD_BYTES, PAGE, POOL)
 PAGES = 24
 STAGING = 256 << 10  # 64 KiB parts (4 pages for one decode rank), four at a time
 MODEL = pd.ModelFingerprint(model_name="staging", revision="r", dtype="u8", num_layers=LAYERS)
 
 
-@dataclass
-class Rank:
-    backend: pd.Backend
-    pools: list[np.ndarray]  # K layers then V layers: [POOL, PAGE, heads, HEAD_BYTES]
-    memory: pd.RankMemory
-
-
 def rank(backend_name: str, name: str, tp: int, r: int, fill: int | None) -> Rank:
-    backend = pd.create_backend(backend_name, agent_name=f"{name}-{time.monotonic_ns()}")
-    heads = HEADS // tp
-    item = PAGE * heads * HEAD_BYTES
-    buf = backend.allocate("kv", 2 * LAYERS * POOL * item).array
-    if fill is not None:
-        buf[:] = np.random.default_rng(fill).integers(0, 256, len(buf), dtype=np.uint8)
-    pools = [
-        buf[i * POOL * item : (i + 1) * POOL * item].reshape(POOL, PAGE, heads, HEAD_BYTES)
-        for i in range(2 * LAYERS)
-    ]
-    bases = [int(p.ctypes.data) for p in pools]
-    kv = pd.KvPool(
-        tuple(bases[:LAYERS]), tuple(bases[LAYERS:]), (POOL * item,) * LAYERS, item, PAGE, pd.Layout.NHD,
-        heads, HEADS, HEAD_BYTES, memory_kind=pd.MemoryKind.DRAM,
-    )  # fmt: skip
-    return Rank(backend, pools, pd.RankMemory(pd.RankPosition(tp, r), kv))
+    return nhd_ranks.rank(SHAPE, backend_name, name, tp, r, fill)
 
 
 def pump(workers: list[pd.PrefillWorker | pd.DecodeWorker], until: Callable[[], bool], what: str) -> None:
