@@ -127,11 +127,14 @@ class MoriBackend(Backend):
             mdescs = [api.MemoryDesc.unpack(b) for b in metadata.region_descs]
         except Exception as exc:
             raise PeerError(f"peer {md.agent_name!r}: undecodable MoRI descriptors: {exc}") from None
-        if len(mdescs) != len(md.regions):
+        if not mdescs or len(mdescs) > len(md.regions):
             raise PeerError(
                 f"peer {md.agent_name!r} sent {len(mdescs)} memory descriptors for {len(md.regions)} regions"
             )
-        for i, (d, r) in enumerate(zip(mdescs, md.regions, strict=True)):
+        # Fewer descriptors than regions: the peer describes its first regions only (a decode
+        # rank at protocol 1.7 leaves out its receive staging buffer): the rest is not writable.
+        regions = md.regions[: len(mdescs)]
+        for i, (d, r) in enumerate(zip(mdescs, regions, strict=True)):
             if d.data != r.base or d.size != r.length:
                 raise PeerError(
                     f"peer {md.agent_name!r}: memory descriptor {i} does not describe region {r.name!r}"
@@ -141,7 +144,7 @@ class MoriBackend(Backend):
         if problem is not None:
             raise PeerError(f"peer {md.agent_name!r}: inbox {inbox!r}: {problem}")
         self._engine.register_remote_engine(edesc)
-        return Peer(md.agent_name, md.regions, md.pid, _Remote(edesc, mdescs, str(inbox)))
+        return Peer(md.agent_name, regions, md.pid, _Remote(edesc, mdescs, str(inbox)))
 
     def _remove_peer(self, peer: Peer) -> None:
         if peer.agent_name in self._peers:

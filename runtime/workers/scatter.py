@@ -26,6 +26,7 @@ from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory, RankPosition
 from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena
 from pdwire.runtime.staging.receive import ScatterGeometryError, ScatterPlanner, stand_in_source
+from pdwire.runtime.workers.setup import SCATTER_BUFFER, own_buffer
 
 
 class ScatterRefused(ValueError):
@@ -67,12 +68,11 @@ class ScatterReceiver:
             self.failure = "the KV cache is device memory and no device copier was given"
         else:
             try:
-                buf = backend.allocate("pdwire-scatter", nbytes)
-                (self.region,) = backend.register([buf.region()])
+                self.region, self.base = own_buffer(backend, SCATTER_BUFFER, nbytes)
             except BackendError as exc:
                 self.failure = f"no receive staging buffer: {type(exc).__name__}: {exc}"
             else:
-                self.base, self.arena = buf.address, StagingArena(nbytes)
+                self.arena = StagingArena(nbytes)
 
     @property
     def enabled(self) -> bool:

@@ -41,6 +41,7 @@ from pdwire.runtime.staging import (
     runs,
     scatter_write,
 )
+from pdwire.runtime.workers.setup import STAGING_BUFFER, own_buffer
 
 # KV chunks are cut so that one staged chunk for one peer takes at most this share of the arena,
 # so that several are in flight at once (the copy of one overlaps the engine's write of another)
@@ -107,12 +108,10 @@ class Stager:
         if self._region >= 0:
             return True
         try:
-            buf = self.backend.allocate("pdwire-staging", self.arena.nbytes)
-            (self._region,) = self.backend.register([buf.region()])
+            self._region, self._base = own_buffer(self.backend, STAGING_BUFFER, self.arena.nbytes)
         except BackendError as exc:
             self._disabled, self.failure = True, f"staging off: {type(exc).__name__}: {exc}"
             return False
-        self._base = buf.address
         if self._copier is None:
             self._copier = HostCopier(self.backend.regions)
         return True
