@@ -268,7 +268,8 @@ def request_floor(req: w.TransferRequest) -> tuple[Callable[[], list[Any]], Call
         mamba, swa, dsa = m.state_indices
         assert mamba is not None and swa is not None and dsa is not None
         fields = [m.room, m.sender, 2, m.dst_aux_index, b"", m.required_dst_info_num, m.decode_prefix_len]
-        body = encode_body([*fields, m.is_dummy, [mamba.tobytes(), swa.tobytes(), 3]])
+        scatter = [m.scatter_offset, m.scatter_page_bytes, m.scatter_pages]
+        body = encode_body([*fields, m.is_dummy, [mamba.tobytes(), swa.tobytes(), 3], *scatter])
         return [header, body, m.dst_kv_indices.data, dsa.data]
 
     def decode(f: list[bytes]) -> object:
@@ -283,6 +284,9 @@ def request_floor(req: w.TransferRequest) -> tuple[Callable[[], list[Any]], Call
             decode_prefix_len=b.decode_prefix_len,
             is_dummy=b.is_dummy,
             state_indices=[fb(mamba, i32), fb(swa, i32), fb(f[3], i32)],
+            scatter_offset=b.scatter_offset,
+            scatter_page_bytes=b.scatter_page_bytes,
+            scatter_pages=b.scatter_pages,
         )
 
     return encode, decode

@@ -49,5 +49,6 @@ def test_request_benchmark_moves_and_verifies_a_request_on_every_backend() -> No
             assert engine_rows == planned, r
         elif r[1] == "P2 -> D4":  # NHD head slices, gathered into few large writes
             assert int(r[7].split()[0]) > 0 and engine_rows < planned // 10, r
-        elif r[1] == "P4 -> D2":  # NHD, strided destinations: scattered by the decode rank
-            assert " scattered" in r[7] and engine_rows < planned // 10, r
+        elif r[1] == "P4 -> D2":  # NHD, strided destinations: KV scattered by the decode rank (the
+            # SWA component's head slices, a fifth of the rows in this small model, go in place)
+            assert " scattered" in r[7] and engine_rows < planned // 4, r
