@@ -481,6 +481,7 @@ class DecodeWorker:
             link.monitor = None
         self.poller.unregister(link.sock)
         link.sock.close(0)
+        self._scatter.forget(link.key)  # rooms that reserved through it keep their own planner
 
     def _route(self, prefill_tp: int, prefill_pp: int) -> DecodeRoute:
         kv = self.memory.kv
