@@ -24,9 +24,11 @@ from pdwire.runtime.backends import Backend, BackendError
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory, RankPosition
-from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena
+from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena, runs
 from pdwire.runtime.staging.receive import ScatterGeometryError, ScatterPlanner, stand_in_source
 from pdwire.runtime.workers.setup import SCATTER_BUFFER, own_buffer
+
+SCATTER_MIN_ROWS_PER_LAYER = 4  # destination runs per page, layer and K/V from which scatter is offered
 
 
 class ScatterRefused(ValueError):
@@ -106,9 +108,15 @@ class ScatterReceiver:
         pos = RankPosition(position.tp_size, position.tp_rank, position.pp_size, position.pp_rank, first)
         try:
             planner = ScatterPlanner(self.memory, stand_in_source(pos, heads, len(kv_layers), pages, kv))
+            dst_runs = runs(planner.rows(np.zeros(1, np.int32)), "dst")  # the destination's cuts alone
         except (PlanError, ValueError):
             return None
-        return planner if planner.page_bytes > 0 else None
+        # A page whose destination is a few runs per layer (whole pages, or a head block each) is
+        # written as well in place or gathered by the prefill rank: reserving for it would only
+        # take buffer space from rooms whose destinations are cut per token.
+        if planner.page_bytes <= 0 or dst_runs <= 2 * SCATTER_MIN_ROWS_PER_LAYER * len(kv_layers):
+            return None
+        return planner
 
     def forget(self, key: object) -> None:
         self._planners.pop(key, None)

@@ -88,6 +88,8 @@ def test_staged_parts_land_byte_for_byte_through_a_small_staging_buffer(setup) -
     for d, g in zip(decs, groups, strict=True):
         d.start_room(7, pd.RequestIndices(DST), g)
     pump([pre, *decs], lambda: pre.status(7) is pd.Status.WAITING_FOR_INPUT, "both requests")
+    # whole destination pages (gathered by prefill): decode reserves none of its receive staging
+    assert all(d.scatter_in_use == 0 for d in decs)
     pre.send_chunk(7, SRC[:16], last=False)
     pre.send_chunk(7, SRC[16:], last=True)
     pump([pre, *decs], lambda: len(finished) == 2 and len(released) == 1, "the room")
