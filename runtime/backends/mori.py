@@ -127,7 +127,7 @@ class MoriBackend(Backend):
             mdescs = [api.MemoryDesc.unpack(b) for b in metadata.region_descs]
         except Exception as exc:
             raise PeerError(f"peer {md.agent_name!r}: undecodable MoRI descriptors: {exc}") from None
-        if not mdescs or len(mdescs) > len(md.regions):
+        if len(mdescs) > len(md.regions) or (md.regions and not mdescs):
             raise PeerError(
                 f"peer {md.agent_name!r} sent {len(mdescs)} memory descriptors for {len(md.regions)} regions"
             )
