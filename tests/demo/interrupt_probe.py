@@ -13,6 +13,9 @@ import time
 
 def main() -> None:
     args = sys.argv[1:]
+    # as from a terminal: SIGINT at its default even when the suite runs as a background job of a
+    # non-interactive shell (which starts it with SIGINT ignored, and Python keeps it ignored)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdwire", "demo", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
