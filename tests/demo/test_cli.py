@@ -115,7 +115,8 @@ def test_ctrl_c_stops_every_rank_and_removes_every_shared_memory_file() -> None:
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert any(n.startswith("pdwire-") for n in got["during"]), got["during"]  # the check can fail
-    assert got["rc"] == 130, f"rc {got['rc']}\nstderr:\n{got['stderr'][-4000:]}\nstdout:\n{got['stdout'][-2000:]}"
+    seen = f"rc {got['rc']}\nstderr:\n{got['stderr'][-4000:]}\nstdout:\n{got['stdout'][-2000:]}"
+    assert got["rc"] == 130, seen
     assert "Traceback" not in got["stderr"] and "KeyboardInterrupt" not in got["stderr"], got["stderr"]
     assert "interrupted" in got["stderr"] and "stopped 4 rank processes" in got["stderr"]
     assert got["after"] == [], got["after"]
