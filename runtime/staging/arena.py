@@ -29,6 +29,10 @@ class StagingArena:
     def fits_ever(self, nbytes: int) -> bool:
         return 0 < nbytes <= self.nbytes
 
+    def largest_free(self) -> int:
+        """The most bytes one :meth:`alloc` can take now (a multiple of ALIGN)."""
+        return max(((stop - start) // ALIGN * ALIGN for start, stop in self._free), default=0)
+
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a free range of ``nbytes`` (rounded up to ALIGN), or None if none is free."""
         size = -(-nbytes // ALIGN) * ALIGN

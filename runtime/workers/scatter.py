@@ -24,6 +24,7 @@ from pdwire.runtime.backends import Backend, BackendError
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory, RankPosition
+from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena, runs
 from pdwire.runtime.staging.receive import ScatterGeometryError, ScatterPlanner, stand_in_source
 from pdwire.runtime.workers.setup import SCATTER_BUFFER, own_buffer
@@ -39,7 +40,7 @@ class ScatterRefused(ValueError):
 class Reservation:
     """One room's range for one prefill rank: ``pages`` of ``page_bytes`` from ``offset``."""
 
-    peer: object  # the rank's PeerRef: a range is kept while its writer has not fenced
+    peer: PeerRef  # a range is kept while its writer has not fenced
     offset: int
     page_bytes: int
     pages: int
@@ -57,10 +58,9 @@ class ScatterReceiver:
         self.base = 0
         self.region = -1
         self._copier = copier
-        self._planners: dict[object, ScatterPlanner | None] = {}
+        self._planners: dict[str, ScatterPlanner | None] = {}  # per link key
         self._rooms: dict[int, dict[int, Reservation]] = {}  # room -> sender rank -> range
         self.failure = ""  # why the rank offers no receive staging, if it offers none
-        self.kept_bytes = 0  # ranges never reused: their room was reclaimed before a writer fenced
         kv = memory.kv
         if nbytes <= 0:
             self.failure = "scatter_bytes is 0"
@@ -86,7 +86,7 @@ class ScatterReceiver:
         return (self.base, self.arena.nbytes) if self.enabled else (0, 0)
 
     def planner(
-        self, key: object, position: ParallelRank, heads: HeadGeometry, kv_layers: tuple[int, ...]
+        self, key: str, position: ParallelRank, heads: HeadGeometry, kv_layers: tuple[int, ...]
     ) -> ScatterPlanner | None:
         """The scatter planner for the prefill rank registered under ``key`` (its position, head
         geometry and KV layers); None when its geometry does not plan against this rank's memory
@@ -118,24 +118,20 @@ class ScatterReceiver:
             return None
         return planner
 
-    def forget(self, key: object) -> None:
+    def forget(self, key: str) -> None:
         self._planners.pop(key, None)
 
     def reserve(
-        self, room: int, sender: int, peer: object, planner: ScatterPlanner, dst_pages: npt.NDArray[np.int32]
+        self, room: int, sender: int, peer: PeerRef, planner: ScatterPlanner, dst_pages: npt.NDArray[np.int32]
     ) -> Reservation | None:
         """A range for the room's first pages from ``sender`` (as many as fit now; None: none)."""
         rooms = self._rooms.setdefault(room, {})
         if sender in rooms:
             return rooms[sender]
         p = planner.page_bytes
-        pages = min(len(dst_pages), self.arena.nbytes // p)
-        offset = None
-        while pages > 0 and offset is None:
-            offset = self.arena.alloc(pages * p)
-            if offset is None:
-                pages //= 2
-        if offset is None or pages == 0:
+        pages = min(len(dst_pages), self.arena.largest_free() // p)
+        offset = self.arena.alloc(pages * p) if pages > 0 else None
+        if offset is None:
             if not rooms:
                 del self._rooms[room]
             return None
@@ -163,22 +159,13 @@ class ScatterReceiver:
         self._copier.copy(table)
         return table.total_bytes
 
-    def release(self, room: int, keep: Collection[object] = ()) -> int:
+    def release(self, room: int, keep: Collection[PeerRef] = ()) -> None:
         """The room's slots are free again (its writes stopped): so are its ranges, except those
         of the writers in ``keep`` (not fenced: a late write may still land there, so the range
-        is never reused). Returns the bytes kept."""
-        kept = 0
+        is never reused; it stays counted in ``arena.in_use``)."""
         for r in self._rooms.pop(room, {}).values():
-            if r.peer in keep:
-                kept += r.pages * r.page_bytes
-            else:
+            if r.peer not in keep:
                 self.arena.free(r.offset)
-        self.kept_bytes += kept
-        return kept
-
-    @property
-    def rooms(self) -> int:
-        return len(self._rooms)
 
 
 __all__ = ["CopyError", "Reservation", "ScatterGeometryError", "ScatterReceiver", "ScatterRefused"]
