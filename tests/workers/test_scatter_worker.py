@@ -209,3 +209,31 @@ def test_a_notification_naming_pages_outside_the_reservation_fails_the_room_type
         assert_joined(s)
     finally:
         close(s)
+
+
+def test_a_cached_prefix_shifts_the_staged_pages_with_the_page_list(backend: str) -> None:
+    """Decode holds the first 3 pages already (``decode_prefix_len``): its page list and its
+    staging range start after them, the prefill ranks skip them, and the page positions the
+    notifications name are positions in that shorter list; every byte lands, the prefix pages
+    stay as they were."""
+    skip = 3
+    s = start(backend, scatter_bytes=4 << 20)
+    try:
+        indices = pd.RequestIndices(DST[skip:], decode_prefix_len=skip * PAGE)
+        s.dec.start_room(21, indices, s.group)
+        workers: list[Worker] = [*s.pres, s.dec]
+        pump(
+            workers, lambda: all(p.status(21) is pd.Status.WAITING_FOR_INPUT for p in s.pres), "the requests"
+        )
+        for p in s.pres:
+            p.send_chunk(21, SRC[:8], last=False)
+            p.send_chunk(21, SRC[8:], last=True)
+        pump(workers, lambda: (21, pd.Status.SUCCESS) in s.finished and 21 in s.slots, "the room")
+        for layer in range(2 * LAYERS):
+            want = np.concatenate([p.pools[layer][SRC[skip:]] for p in s.prefill], axis=2)
+            assert np.array_equal(s.decode.pools[layer][DST[skip:]], want), layer
+            assert not s.decode.pools[layer][DST[:skip]].any()  # the cached prefix: not written
+        assert s.dec.stats.scattered_pages == 2 * (PAGES - skip)
+        assert s.dec.scatter_in_use == 0
+    finally:
+        close(s)
