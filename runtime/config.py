@@ -162,6 +162,12 @@ def _positive(cfg: object, name: str, *, optional: bool = False) -> None:
         raise ConfigError(f"{type(cfg).__name__}.{name} must be a positive number of seconds, got {value!r}")
 
 
+def _byte_count(cfg: object, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{type(cfg).__name__}.{name} must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     """What both roles need. ``backend`` is a registry name (``create_backend``; None = NIXL when
@@ -247,12 +253,7 @@ class PrefillConfig(WorkerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            isinstance(self.staging_bytes, bool)
-            or not isinstance(self.staging_bytes, int)
-            or self.staging_bytes < 0
-        ):
-            raise ConfigError(f"PrefillConfig.staging_bytes must be an int >= 0, got {self.staging_bytes!r}")
+        _byte_count(self, "staging_bytes")
         bind = TcpEndpoint.parse(self.bind, "PrefillConfig.bind")
         if self.advertise is not None:
             TcpEndpoint.parse(self.advertise, "PrefillConfig.advertise", port_optional=True)
@@ -296,12 +297,7 @@ class DecodeConfig(WorkerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            isinstance(self.scatter_bytes, bool)
-            or not isinstance(self.scatter_bytes, int)
-            or self.scatter_bytes < 0
-        ):
-            raise ConfigError(f"DecodeConfig.scatter_bytes must be an int >= 0, got {self.scatter_bytes!r}")
+        _byte_count(self, "scatter_bytes")
         _positive(self, "handshake_timeout_s")
         _positive(self, "fence_timeout_s", optional=True)
         _positive(self, "peer_timeout_s")

@@ -136,6 +136,14 @@ class KvPool:
         return self.bytes_per_page if self.page_stride is None else self.page_stride
 
     @property
+    def heads(self) -> HeadGeometry:
+        """The pool's head sharding (what a head slice of another TP size is cut from)."""
+        return HeadGeometry(
+            self.page_size, self.layout, self.kv_heads_per_rank, self.total_kv_heads, self.bytes_per_head,
+            self.head_stride,
+        )  # fmt: skip
+
+    @property
     def head_span(self) -> int:
         """Bytes one head's part of a page uses: ``page_size * bytes_per_head``."""
         return self.page_size * self.bytes_per_head

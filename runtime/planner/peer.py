@@ -22,7 +22,6 @@ from pdwire.runtime.planner.errors import (
 from pdwire.runtime.planner.kernel import BufferSet
 from pdwire.runtime.planner.model import (
     HeadGeometry,
-    KvPool,
     RankMemory,
     StatePool,
     StateTensor,
@@ -326,7 +325,7 @@ def _prepare_kv(
             ("latent", src.k_base_addrs, li.kv_k, src.k_offset, dst.k_base_addrs, ri.kv_k, dst.k_offset)
         ]
     else:
-        pattern = _head_pattern(pair, _heads_of(src), _heads_of(dst), "kv")
+        pattern = _head_pattern(pair, src.heads, dst.heads, "kv")
         halves = [
             ("k", src.k_base_addrs, li.kv_k, src.k_offset, dst.k_base_addrs, ri.kv_k, dst.k_offset),
             ("v", src.v_base_addrs, li.kv_v, src.v_offset, dst.v_base_addrs, ri.kv_v, dst.v_offset),
@@ -344,12 +343,6 @@ def _prepare_kv(
                 )
             )
     return SetGroup(*_buffer_sets("kv", entries))
-
-
-def _heads_of(kv: KvPool) -> HeadGeometry:
-    return HeadGeometry(
-        kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head, kv.head_stride
-    )
 
 
 def _tensor_pattern(pair: _Pair, src_c: StatePool, dst_c: StatePool, si: int, name: str) -> Pattern:

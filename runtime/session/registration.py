@@ -115,11 +115,7 @@ def kv_heads_to_wire(memory: RankMemory) -> wire.HeadSharding | None:
     """The head geometry of ``memory``'s KV pool (what a decode rank plans scatters with);
     None without a KV pool or for MLA."""
     kv = memory.kv
-    if kv is None or kv.is_mla:
-        return None
-    return _heads_to_wire(
-        HeadGeometry(kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head)
-    )
+    return None if kv is None or kv.is_mla else _heads_to_wire(kv.heads)
 
 
 def _u64(values: list[int] | tuple[int, ...]) -> np.ndarray:

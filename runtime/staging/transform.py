@@ -114,52 +114,65 @@ def _cut(base: int, total: int, region: int, dst: int, dst_region: int) -> Descr
     )
 
 
+Staged = tuple[np.ndarray | None, np.ndarray, np.ndarray]  # row order, lengths, staging offsets
+
+
+def _staged(table: DescriptorTable) -> Staged:
+    """The staged order of ``table``'s rows (by destination region and address), their lengths in
+    that order, and where each starts in the staging range."""
+    order = _order(table.dst_addr, table.dst_region)
+    n = _take(table.length, order)
+    return order, n, _offsets(n)
+
+
+def _into(table: DescriptorTable, st: Staged, staging: int, region: int) -> DescriptorTable:
+    """Source rows -> ``[staging, + total)`` (``region``), in the staged order, merged."""
+    order, n, off = st
+    reg = np.full(len(n), region, np.uint32)
+    at = np.uint64(staging) + off
+    return merge_runs(
+        DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), reg)
+    )
+
+
+def _out_of(table: DescriptorTable, st: Staged, staging: int, region: int) -> DescriptorTable:
+    """``[staging, + total)`` (``region``) -> the destination rows, in the staged order, merged."""
+    order, n, off = st
+    reg = np.full(len(n), region, np.uint32)
+    at = np.uint64(staging) + off
+    return merge_runs(
+        DescriptorTable(at, _take(table.dst_addr, order), n, reg, _take(table.dst_region, order))
+    )
+
+
 def gather(table: DescriptorTable, staging: int, staging_region: int) -> StagedPlan:
     """Gather locally into ``[staging, staging + total)`` (region ``staging_region`` of this side),
     in destination order, and write staging -> destination by destination runs."""
-    order = _order(table.dst_addr, table.dst_region)
-    n = _take(table.length, order)
-    at = np.uint64(staging) + _offsets(n)
-    region = np.full(len(n), staging_region, np.uint32)
-    g = merge_runs(
-        DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), region)
-    )
-    w = merge_runs(
-        DescriptorTable(at, _take(table.dst_addr, order), n, region, _take(table.dst_region, order))
-    )
+    st = _staged(table)
+    g = _into(table, st, staging, staging_region)
+    w = _out_of(table, st, staging, staging_region)
     return StagedPlan(Mode.GATHER, g, w, DescriptorTable.empty(), table.total_bytes, 0)
 
 
 def scatter_write(table: DescriptorTable, remote_staging: int, remote_region: int) -> DescriptorTable:
     """What the writer posts for a scattered part: source -> the peer's ``[remote_staging, +
     total)`` in destination order, rows continuing on both sides merged."""
-    order = _order(table.dst_addr, table.dst_region)
-    n = _take(table.length, order)
-    at = np.uint64(remote_staging) + _offsets(n)
-    region = np.full(len(n), remote_region, np.uint32)
-    return merge_runs(
-        DescriptorTable(_take(table.src_addr, order), at, n, _take(table.src_region, order), region)
-    )
+    return _into(table, _staged(table), remote_staging, remote_region)
 
 
 def scatter_copy(table: DescriptorTable, staging: int, staging_region: int) -> DescriptorTable:
     """What the receiver copies for a scattered part: its staging range -> the destination rows,
     in the order :func:`scatter_write` filled it. Reads only ``table``'s destination columns, so
     the receiver computes it from its own memory (the source side may be any stand-in)."""
-    order = _order(table.dst_addr, table.dst_region)
-    n = _take(table.length, order)
-    at = np.uint64(staging) + _offsets(n)
-    region = np.full(len(n), staging_region, np.uint32)
-    return merge_runs(
-        DescriptorTable(at, _take(table.dst_addr, order), n, region, _take(table.dst_region, order))
-    )
+    return _out_of(table, _staged(table), staging, staging_region)
 
 
 def scatter(table: DescriptorTable, remote_staging: int, remote_region: int) -> StagedPlan:
     """Write source -> the peer's ``[remote_staging, + total)`` in destination order; the peer
     then scatters staging -> destination."""
-    w = scatter_write(table, remote_staging, remote_region)
-    sc = scatter_copy(table, remote_staging, remote_region)
+    st = _staged(table)
+    w = _into(table, st, remote_staging, remote_region)
+    sc = _out_of(table, st, remote_staging, remote_region)
     return StagedPlan(Mode.SCATTER, DescriptorTable.empty(), w, sc, 0, table.total_bytes)
 
 
@@ -167,27 +180,11 @@ def both(
     table: DescriptorTable, staging: int, staging_region: int, remote_staging: int, remote_region: int
 ) -> StagedPlan:
     """Gather here in destination order, write the whole staging buffer, scatter on the peer."""
-    order = _order(table.dst_addr, table.dst_region)
-    n = _take(table.length, order)
-    off = _offsets(n)
+    st = _staged(table)
     total = table.total_bytes
-    local = np.full(len(n), staging_region, np.uint32)
-    remote = np.full(len(n), remote_region, np.uint32)
-    g = merge_runs(
-        DescriptorTable(
-            _take(table.src_addr, order), np.uint64(staging) + off, n, _take(table.src_region, order), local
-        )
-    )
+    g = _into(table, st, staging, staging_region)
     w = _cut(staging, total, staging_region, remote_staging, remote_region)
-    sc = merge_runs(
-        DescriptorTable(
-            np.uint64(remote_staging) + off,
-            _take(table.dst_addr, order),
-            n,
-            remote,
-            _take(table.dst_region, order),
-        )
-    )
+    sc = _out_of(table, st, remote_staging, remote_region)
     return StagedPlan(Mode.BOTH, g, w, sc, total, total)
 
 

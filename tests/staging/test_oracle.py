@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from pdwire.runtime.descriptors import DescriptorTable, Region
-from pdwire.runtime.planner import HeadGeometry, PeerPlan, PlanGroup, RankMemory
+from pdwire.runtime.planner import PeerPlan, PlanGroup, RankMemory
 from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 from pdwire.runtime.staging import Mode, both, gather, scatter, scatter_write
 from pdwire.runtime.staging.receive import ScatterPlanner, stand_in_source
@@ -170,10 +170,7 @@ def _scattered_by_decode(world: oracle.World) -> None:
         source, decode, dst_pages = found
         assert source.kv is not None and decode.kv is not None
         kv = source.kv
-        heads = HeadGeometry(
-            kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head
-        )
-        stand_in = stand_in_source(source.position, heads, kv.num_layers, len(dst_pages), decode.kv)
+        stand_in = stand_in_source(source.position, kv.heads, kv.num_layers, len(dst_pages), decode.kv)
         receiver = ScatterPlanner(decode, stand_in)
         space, region = _staging(REMOTE_STAGING, table.total_bytes)
         rs = len(dst_regions)
