@@ -69,6 +69,12 @@ class TypeView:
         """Whether values need conversion between the model and the wire (arrays, messages)."""
         return self.kind in ("array", "message") or (self.elem is not None and self.elem.converts)
 
+    @property
+    def reads_inline(self) -> bool:
+        """An array or an optional array: the fast decoder reads it in one expression."""
+        inner = self.elem if self.kind == "optional" else self
+        return inner is not None and inner.kind == "array"
+
     def walk(self) -> list[TypeView]:
         return [self] + (self.elem.walk() if self.elem is not None else [])
 
@@ -108,6 +114,11 @@ class FieldView:
     @property
     def where(self) -> str:
         return self.name
+
+    @property
+    def local(self) -> str:
+        """The encoder's local variable holding the value (bound while it is checked)."""
+        return f"x{self.id}"
 
 
 @dataclass(frozen=True)
@@ -173,12 +184,6 @@ class MessageView:
         for the few items these lists hold)."""
         conv = [s for s in self.slots if s.live and s.field is not None and s.field.type.converts]
         return conv if any(s.field is not None and _loops(s.field.type) for s in conv) else []
-
-    @property
-    def staged_fields(self) -> list[FieldView]:
-        """The same for the fast decoder, in field order (the order it reads side frames in)."""
-        conv = [f for f in self.fields if f.type.converts]
-        return conv if any(_loops(f.type) for f in conv) else []
 
     @property
     def has_at(self) -> bool:

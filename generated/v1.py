@@ -109,7 +109,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -120,9 +120,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -276,12 +276,12 @@ _SCALARS_Version: tuple[_env.Scalar, ...] = (
 
 def _enc_Version(m: Version, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.major) is int and 0 <= m.major <= 65535 and type(m.minor) is int and 0 <= m.minor <= 65535
+        type(x0 := m.major) is int and 0 <= x0 <= 65535 and type(x1 := m.minor) is int and 0 <= x1 <= 65535
     ):
-        _env.refuse_scalars(m, "Version", _SCALARS_Version)
+        x0, x1 = _env.refuse_scalars(m, "Version", _SCALARS_Version)
     return [
-        m.major,
-        m.minor,
+        x0,
+        x1,
     ]
 
 
@@ -292,11 +292,13 @@ def _dec_Version(w: _W_Version, c: _a.Cursor) -> Version:
     )
 
 
-def _fdec_Version(w: _W_Version, f: _a.Frames, k: _a.SideCounter) -> Version:
+def _fdec_Version(w: _W_Version, f: _a.Frames, i: int) -> tuple[Version, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Version(
         major=w.major,
         minor=w.minor,
-    )
+    ), i
 
 
 # --- ParallelGeometry --------------------------------------------------------------------------
@@ -341,33 +343,33 @@ _SCALARS_ParallelGeometry: tuple[_env.Scalar, ...] = (
 
 def _enc_ParallelGeometry(m: ParallelGeometry, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.tp_size) is int
-        and 0 <= m.tp_size <= 4294967295
-        and type(m.tp_rank) is int
-        and 0 <= m.tp_rank <= 4294967295
-        and type(m.pp_size) is int
-        and 0 <= m.pp_size <= 4294967295
-        and type(m.pp_rank) is int
-        and 0 <= m.pp_rank <= 4294967295
-        and type(m.cp_size) is int
-        and 0 <= m.cp_size <= 4294967295
-        and type(m.cp_rank) is int
-        and 0 <= m.cp_rank <= 4294967295
-        and type(m.dp_size) is int
-        and 0 <= m.dp_size <= 4294967295
-        and type(m.dp_rank) is int
-        and 0 <= m.dp_rank <= 4294967295
+        type(x0 := m.tp_size) is int
+        and 0 <= x0 <= 4294967295
+        and type(x1 := m.tp_rank) is int
+        and 0 <= x1 <= 4294967295
+        and type(x2 := m.pp_size) is int
+        and 0 <= x2 <= 4294967295
+        and type(x3 := m.pp_rank) is int
+        and 0 <= x3 <= 4294967295
+        and type(x4 := m.cp_size) is int
+        and 0 <= x4 <= 4294967295
+        and type(x5 := m.cp_rank) is int
+        and 0 <= x5 <= 4294967295
+        and type(x6 := m.dp_size) is int
+        and 0 <= x6 <= 4294967295
+        and type(x7 := m.dp_rank) is int
+        and 0 <= x7 <= 4294967295
     ):
-        _env.refuse_scalars(m, "ParallelGeometry", _SCALARS_ParallelGeometry)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _env.refuse_scalars(m, "ParallelGeometry", _SCALARS_ParallelGeometry)
     return [
-        m.tp_size,
-        m.tp_rank,
-        m.pp_size,
-        m.pp_rank,
-        m.cp_size,
-        m.cp_rank,
-        m.dp_size,
-        m.dp_rank,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
+        x5,
+        x6,
+        x7,
     ]
 
 
@@ -384,7 +386,9 @@ def _dec_ParallelGeometry(w: _W_ParallelGeometry, c: _a.Cursor) -> ParallelGeome
     )
 
 
-def _fdec_ParallelGeometry(w: _W_ParallelGeometry, f: _a.Frames, k: _a.SideCounter) -> ParallelGeometry:
+def _fdec_ParallelGeometry(w: _W_ParallelGeometry, f: _a.Frames, i: int) -> tuple[ParallelGeometry, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return ParallelGeometry(
         tp_size=w.tp_size,
         tp_rank=w.tp_rank,
@@ -394,7 +398,7 @@ def _fdec_ParallelGeometry(w: _W_ParallelGeometry, f: _a.Frames, k: _a.SideCount
         cp_rank=w.cp_rank,
         dp_size=w.dp_size,
         dp_rank=w.dp_rank,
-    )
+    ), i
 
 
 # --- ModelFingerprint --------------------------------------------------------------------------
@@ -436,24 +440,24 @@ _SCALARS_ModelFingerprint: tuple[_env.Scalar, ...] = (
 
 def _enc_ModelFingerprint(m: ModelFingerprint, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.model_name) is str
-        and type(m.revision) is str
-        and type(m.dtype) is str
-        and type(m.num_layers) is int
-        and 0 <= m.num_layers <= 4294967295
-        and type(m.num_attention_layers) is int
-        and 0 <= m.num_attention_layers <= 4294967295
-        and type(m.num_state_layers) is int
-        and 0 <= m.num_state_layers <= 4294967295
+        type(x0 := m.model_name) is str
+        and type(x1 := m.revision) is str
+        and type(x2 := m.dtype) is str
+        and type(x3 := m.num_layers) is int
+        and 0 <= x3 <= 4294967295
+        and type(x4 := m.num_attention_layers) is int
+        and 0 <= x4 <= 4294967295
+        and type(x5 := m.num_state_layers) is int
+        and 0 <= x5 <= 4294967295
     ):
-        _env.refuse_scalars(m, "ModelFingerprint", _SCALARS_ModelFingerprint)
+        x0, x1, x2, x3, x4, x5 = _env.refuse_scalars(m, "ModelFingerprint", _SCALARS_ModelFingerprint)
     return [
-        m.model_name,
-        m.revision,
-        m.dtype,
-        m.num_layers,
-        m.num_attention_layers,
-        m.num_state_layers,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
+        x5,
     ]
 
 
@@ -468,7 +472,9 @@ def _dec_ModelFingerprint(w: _W_ModelFingerprint, c: _a.Cursor) -> ModelFingerpr
     )
 
 
-def _fdec_ModelFingerprint(w: _W_ModelFingerprint, f: _a.Frames, k: _a.SideCounter) -> ModelFingerprint:
+def _fdec_ModelFingerprint(w: _W_ModelFingerprint, f: _a.Frames, i: int) -> tuple[ModelFingerprint, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return ModelFingerprint(
         model_name=w.model_name,
         revision=w.revision,
@@ -476,7 +482,7 @@ def _fdec_ModelFingerprint(w: _W_ModelFingerprint, f: _a.Frames, k: _a.SideCount
         num_layers=w.num_layers,
         num_attention_layers=w.num_attention_layers,
         num_state_layers=w.num_state_layers,
-    )
+    ), i
 
 
 # --- Hello -------------------------------------------------------------------------------------
@@ -519,18 +525,18 @@ _SCALARS_Hello: tuple[_env.Scalar, ...] = (
 
 
 def _enc_Hello(m: Hello, side: _a.SideFrames | None) -> list[Any]:
-    if not (type(m.protocol) is str and type(m.role) is Role and type(m.engine_id) is str):
-        _env.refuse_scalars(m, "Hello", _SCALARS_Hello)
+    if not (type(x0 := m.protocol) is str and type(x2 := m.role) is Role and type(x3 := m.engine_id) is str):
+        x0, x2, x3 = _env.refuse_scalars(m, "Hello", _SCALARS_Hello)
     x1 = []
     for v1 in m.versions:
         x1.append(_enc_Version(v1, side))
     x4 = _enc_ParallelGeometry(m.geometry, side)
     x5 = _enc_ModelFingerprint(m.model, side)
     return [
-        m.protocol,
+        x0,
         x1,
-        m.role,
-        m.engine_id,
+        x2,
+        x3,
         x4,
         x5,
         m.capabilities,
@@ -549,12 +555,15 @@ def _dec_Hello(w: _W_Hello, c: _a.Cursor) -> Hello:
     )
 
 
-def _fdec_Hello(w: _W_Hello, f: _a.Frames, k: _a.SideCounter) -> Hello:
+def _fdec_Hello(w: _W_Hello, f: _a.Frames, i: int) -> tuple[Hello, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x1 = []
     for v1 in w.versions:
-        x1.append(_fdec_Version(v1, f, k))
-    x4 = _fdec_ParallelGeometry(w.geometry, f, k)
-    x5 = _fdec_ModelFingerprint(w.model, f, k)
+        x1_, i = _fdec_Version(v1, f, i)
+        x1.append(x1_)
+    x4, i = _fdec_ParallelGeometry(w.geometry, f, i)
+    x5, i = _fdec_ModelFingerprint(w.model, f, i)
     return Hello(
         protocol=w.protocol,
         versions=x1,
@@ -563,7 +572,7 @@ def _fdec_Hello(w: _W_Hello, f: _a.Frames, k: _a.SideCounter) -> Hello:
         geometry=x4,
         model=x5,
         capabilities=w.capabilities,
-    )
+    ), i
 
 
 _Hello = _env.MessageSpec(
@@ -617,23 +626,23 @@ _SCALARS_HeadSharding: tuple[_env.Scalar, ...] = (
 
 def _enc_HeadSharding(m: HeadSharding, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.page_size) is int
-        and 0 <= m.page_size <= 4294967295
-        and type(m.layout) is KvLayout
-        and type(m.kv_heads_per_rank) is int
-        and 0 <= m.kv_heads_per_rank <= 4294967295
-        and type(m.kv_heads_total) is int
-        and 0 <= m.kv_heads_total <= 4294967295
-        and type(m.bytes_per_head) is int
-        and 0 <= m.bytes_per_head <= 4294967295
+        type(x0 := m.page_size) is int
+        and 0 <= x0 <= 4294967295
+        and type(x1 := m.layout) is KvLayout
+        and type(x2 := m.kv_heads_per_rank) is int
+        and 0 <= x2 <= 4294967295
+        and type(x3 := m.kv_heads_total) is int
+        and 0 <= x3 <= 4294967295
+        and type(x4 := m.bytes_per_head) is int
+        and 0 <= x4 <= 4294967295
     ):
-        _env.refuse_scalars(m, "HeadSharding", _SCALARS_HeadSharding)
+        x0, x1, x2, x3, x4 = _env.refuse_scalars(m, "HeadSharding", _SCALARS_HeadSharding)
     return [
-        m.page_size,
-        m.layout,
-        m.kv_heads_per_rank,
-        m.kv_heads_total,
-        m.bytes_per_head,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
     ]
 
 
@@ -647,14 +656,16 @@ def _dec_HeadSharding(w: _W_HeadSharding, c: _a.Cursor) -> HeadSharding:
     )
 
 
-def _fdec_HeadSharding(w: _W_HeadSharding, f: _a.Frames, k: _a.SideCounter) -> HeadSharding:
+def _fdec_HeadSharding(w: _W_HeadSharding, f: _a.Frames, i: int) -> tuple[HeadSharding, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return HeadSharding(
         page_size=w.page_size,
         layout=w.layout,
         kv_heads_per_rank=w.kv_heads_per_rank,
         kv_heads_total=w.kv_heads_total,
         bytes_per_head=w.bytes_per_head,
-    )
+    ), i
 
 
 # --- StateTensorLayout -------------------------------------------------------------------------
@@ -696,20 +707,20 @@ _SCALARS_StateTensorLayout: tuple[_env.Scalar, ...] = (
 
 def _enc_StateTensorLayout(m: StateTensorLayout, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.slot_stride) is int
-        and 0 <= m.slot_stride <= 18446744073709551615
-        and type(m.offset) is int
-        and 0 <= m.offset <= 18446744073709551615
-        and type(m.outer_rows) is int
-        and 0 <= m.outer_rows <= 4294967295
-        and type(m.replicated) is bool
+        type(x0 := m.slot_stride) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.offset) is int
+        and 0 <= x1 <= 18446744073709551615
+        and type(x2 := m.outer_rows) is int
+        and 0 <= x2 <= 4294967295
+        and type(x3 := m.replicated) is bool
     ):
-        _env.refuse_scalars(m, "StateTensorLayout", _SCALARS_StateTensorLayout)
+        x0, x1, x2, x3 = _env.refuse_scalars(m, "StateTensorLayout", _SCALARS_StateTensorLayout)
     return [
-        m.slot_stride,
-        m.offset,
-        m.outer_rows,
-        m.replicated,
+        x0,
+        x1,
+        x2,
+        x3,
     ]
 
 
@@ -722,13 +733,15 @@ def _dec_StateTensorLayout(w: _W_StateTensorLayout, c: _a.Cursor) -> StateTensor
     )
 
 
-def _fdec_StateTensorLayout(w: _W_StateTensorLayout, f: _a.Frames, k: _a.SideCounter) -> StateTensorLayout:
+def _fdec_StateTensorLayout(w: _W_StateTensorLayout, f: _a.Frames, i: int) -> tuple[StateTensorLayout, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return StateTensorLayout(
         slot_stride=w.slot_stride,
         offset=w.offset,
         outer_rows=w.outer_rows,
         replicated=w.replicated,
-    )
+    ), i
 
 
 # --- StateComponent ----------------------------------------------------------------------------
@@ -797,16 +810,30 @@ _SCALARS_StateComponent: tuple[_env.Scalar, ...] = (
 
 def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.type) is StateType and type(m.indexing) is StateIndexing and type(m.sharding) is StateSharding
+        type(x0 := m.type) is StateType
+        and type(x8 := m.indexing) is StateIndexing
+        and type(x9 := m.sharding) is StateSharding
     ):
-        _env.refuse_scalars(m, "StateComponent", _SCALARS_StateComponent)
+        x0, x8, x9 = _env.refuse_scalars(m, "StateComponent", _SCALARS_StateComponent)
     x1 = (
-        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _side_frame(t1, _U64, side, "StateComponent.base_addrs"))
+        (
+            t1.tobytes()
+            if t1.nbytes < _SIDE_MIN
+            else _push(side, t1)
+            if side is not None and t1.strides[0] == 8
+            else _side_frame(t1, _U64, side, "StateComponent.base_addrs")
+        )
         if type(t1 := m.base_addrs) is _nd and t1.dtype is _U64 and t1.ndim == 1
         else _pack(t1, _U64, side, "StateComponent.base_addrs")
     )
     x2 = (
-        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _side_frame(t2, _U64, side, "StateComponent.region_lens"))
+        (
+            t2.tobytes()
+            if t2.nbytes < _SIDE_MIN
+            else _push(side, t2)
+            if side is not None and t2.strides[0] == 8
+            else _side_frame(t2, _U64, side, "StateComponent.region_lens")
+        )
         if type(t2 := m.region_lens) is _nd and t2.dtype is _U64 and t2.ndim == 1
         else _pack(t2, _U64, side, "StateComponent.region_lens")
     )
@@ -814,6 +841,8 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
         (
             t3.tobytes()
             if t3.nbytes < _SIDE_MIN
+            else _push(side, t3)
+            if side is not None and t3.strides[0] == 8
             else _side_frame(t3, _U64, side, "StateComponent.bytes_per_slot")
         )
         if type(t3 := m.bytes_per_slot) is _nd and t3.dtype is _U64 and t3.ndim == 1
@@ -823,6 +852,8 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
         (
             t4.tobytes()
             if t4.nbytes < _SIDE_MIN
+            else _push(side, t4)
+            if side is not None and t4.strides[0] == 8
             else _side_frame(t4, _U64, side, "StateComponent.shard_axis_sizes")
         )
         if type(t4 := m.shard_axis_sizes) is _nd and t4.dtype is _U64 and t4.ndim == 1
@@ -834,6 +865,8 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
             (
                 v5.tobytes()
                 if v5.nbytes < _SIDE_MIN
+                else _push(side, v5)
+                if side is not None and v5.strides[0] == 8
                 else _side_frame(v5, _U64, side, "StateComponent.sub_blocks[]")
             )
             if type(v5) is _nd and v5.dtype is _U64 and v5.ndim == 1
@@ -844,6 +877,8 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
         (
             t11.tobytes()
             if t11.nbytes < _SIDE_MIN
+            else _push(side, t11)
+            if side is not None and t11.strides[0] == 4
             else _side_frame(t11, _U32, side, "StateComponent.layer_ids")
         )
         if type(t11 := m.layer_ids) is _nd and t11.dtype is _U32 and t11.ndim == 1
@@ -853,7 +888,7 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
     for v12 in m.tensor_layouts:
         x12.append(_enc_StateTensorLayout(v12, side))
     return [
-        m.type,
+        x0,
         x1,
         x2,
         x3,
@@ -861,8 +896,8 @@ def _enc_StateComponent(m: StateComponent, side: _a.SideFrames | None) -> list[A
         x5,
         m.mem_descs,
         m.tensor_names,
-        m.indexing,
-        m.sharding,
+        x8,
+        x9,
         x10,
         x11,
         x12,
@@ -887,33 +922,35 @@ def _dec_StateComponent(w: _W_StateComponent, c: _a.Cursor) -> StateComponent:
     )
 
 
-def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, k: _a.SideCounter) -> StateComponent:
+def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, i: int) -> tuple[StateComponent, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x1 = (
         (_fb(t1, _U64) if t1 else _E_U64)
         if type(t1 := w.base_addrs) is bytes
         else _fb(f[t1], _U64)
-        if t1 == _next(k)
+        if t1 == i and (i := i + 1)
         else _bail()
     )
     x2 = (
         (_fb(t2, _U64) if t2 else _E_U64)
         if type(t2 := w.region_lens) is bytes
         else _fb(f[t2], _U64)
-        if t2 == _next(k)
+        if t2 == i and (i := i + 1)
         else _bail()
     )
     x3 = (
         (_fb(t3, _U64) if t3 else _E_U64)
         if type(t3 := w.bytes_per_slot) is bytes
         else _fb(f[t3], _U64)
-        if t3 == _next(k)
+        if t3 == i and (i := i + 1)
         else _bail()
     )
     x4 = (
         (_fb(t4, _U64) if t4 else _E_U64)
         if type(t4 := w.shard_axis_sizes) is bytes
         else _fb(f[t4], _U64)
-        if t4 == _next(k)
+        if t4 == i and (i := i + 1)
         else _bail()
     )
     x5 = []
@@ -922,20 +959,23 @@ def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, k: _a.SideCounter) 
             (_fb(v5, _U64) if v5 else _E_U64)
             if type(v5) is bytes
             else _fb(f[v5], _U64)
-            if v5 == _next(k)
+            if v5 == i and (i := i + 1)
             else _bail()
         )
-    x10 = None if w.heads is None else _fdec_HeadSharding(w.heads, f, k)
+    x10 = None
+    if w.heads is not None:
+        x10, i = _fdec_HeadSharding(w.heads, f, i)
     x11 = (
         (_fb(t11, _U32) if t11 else _E_U32)
         if type(t11 := w.layer_ids) is bytes
         else _fb(f[t11], _U32)
-        if t11 == _next(k)
+        if t11 == i and (i := i + 1)
         else _bail()
     )
     x12 = []
     for v12 in w.tensor_layouts:
-        x12.append(_fdec_StateTensorLayout(v12, f, k))
+        x12_, i = _fdec_StateTensorLayout(v12, f, i)
+        x12.append(x12_)
     return StateComponent(
         type=w.type,
         base_addrs=x1,
@@ -950,7 +990,7 @@ def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, k: _a.SideCounter) 
         heads=x10,
         layer_ids=x11,
         tensor_layouts=x12,
-    )
+    ), i
 
 
 def _at_StateComponent(m: StateComponent, v: int, old: dict[str, Any] | None = None) -> StateComponent:
@@ -1123,47 +1163,61 @@ _SCALARS_RegisterInfo: tuple[_env.Scalar, ...] = (
 
 def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.endpoint) is str
-        and type(m.engine_id) is str
-        and type(m.agent_name) is str
-        and type(m.first_layer) is int
-        and 0 <= m.first_layer <= 4294967295
-        and type(m.num_layers) is int
-        and 0 <= m.num_layers <= 4294967295
-        and type(m.num_pages) is int
-        and 0 <= m.num_pages <= 18446744073709551615
-        and type(m.page_size) is int
-        and 0 <= m.page_size <= 4294967295
-        and type(m.kv_layout) is KvLayout
-        and type(m.kv_heads_per_rank) is int
-        and 0 <= m.kv_heads_per_rank <= 4294967295
-        and type(m.kv_heads_total) is int
-        and 0 <= m.kv_heads_total <= 4294967295
-        and type(m.bytes_per_head) is int
-        and 0 <= m.bytes_per_head <= 4294967295
-        and type(m.is_mla) is bool
-        and type(m.kv_page_stride) is int
-        and 0 <= m.kv_page_stride <= 18446744073709551615
-        and type(m.k_page_offset) is int
-        and 0 <= m.k_page_offset <= 18446744073709551615
-        and type(m.v_page_offset) is int
-        and 0 <= m.v_page_offset <= 18446744073709551615
-        and type(m.kv_head_stride) is int
-        and 0 <= m.kv_head_stride <= 18446744073709551615
-        and type(m.scatter_base) is int
-        and 0 <= m.scatter_base <= 18446744073709551615
-        and type(m.scatter_len) is int
-        and 0 <= m.scatter_len <= 18446744073709551615
+        type(x0 := m.endpoint) is str
+        and type(x1 := m.engine_id) is str
+        and type(x2 := m.agent_name) is str
+        and type(x5 := m.first_layer) is int
+        and 0 <= x5 <= 4294967295
+        and type(x6 := m.num_layers) is int
+        and 0 <= x6 <= 4294967295
+        and type(x11 := m.num_pages) is int
+        and 0 <= x11 <= 18446744073709551615
+        and type(x12 := m.page_size) is int
+        and 0 <= x12 <= 4294967295
+        and type(x13 := m.kv_layout) is KvLayout
+        and type(x14 := m.kv_heads_per_rank) is int
+        and 0 <= x14 <= 4294967295
+        and type(x15 := m.kv_heads_total) is int
+        and 0 <= x15 <= 4294967295
+        and type(x16 := m.bytes_per_head) is int
+        and 0 <= x16 <= 4294967295
+        and type(x17 := m.is_mla) is bool
+        and type(x29 := m.kv_page_stride) is int
+        and 0 <= x29 <= 18446744073709551615
+        and type(x30 := m.k_page_offset) is int
+        and 0 <= x30 <= 18446744073709551615
+        and type(x31 := m.v_page_offset) is int
+        and 0 <= x31 <= 18446744073709551615
+        and type(x32 := m.kv_head_stride) is int
+        and 0 <= x32 <= 18446744073709551615
+        and type(x33 := m.scatter_base) is int
+        and 0 <= x33 <= 18446744073709551615
+        and type(x34 := m.scatter_len) is int
+        and 0 <= x34 <= 18446744073709551615
     ):
-        _env.refuse_scalars(m, "RegisterInfo", _SCALARS_RegisterInfo)
+        x0, x1, x2, x5, x6, x11, x12, x13, x14, x15, x16, x17, x29, x30, x31, x32, x33, x34 = (
+            _env.refuse_scalars(m, "RegisterInfo", _SCALARS_RegisterInfo)
+        )
     x4 = _enc_ParallelGeometry(m.geometry, side)
     x7 = (
-        (t7.tobytes() if t7.nbytes < _SIDE_MIN else _side_frame(t7, _U64, side, "RegisterInfo.k_base_addrs"))
+        (
+            t7.tobytes()
+            if t7.nbytes < _SIDE_MIN
+            else _push(side, t7)
+            if side is not None and t7.strides[0] == 8
+            else _side_frame(t7, _U64, side, "RegisterInfo.k_base_addrs")
+        )
         if type(t7 := m.k_base_addrs) is _nd and t7.dtype is _U64 and t7.ndim == 1
         else _pack(t7, _U64, side, "RegisterInfo.k_base_addrs")
     )
     x8 = (
-        (t8.tobytes() if t8.nbytes < _SIDE_MIN else _side_frame(t8, _U64, side, "RegisterInfo.v_base_addrs"))
+        (
+            t8.tobytes()
+            if t8.nbytes < _SIDE_MIN
+            else _push(side, t8)
+            if side is not None and t8.strides[0] == 8
+            else _side_frame(t8, _U64, side, "RegisterInfo.v_base_addrs")
+        )
         if type(t8 := m.v_base_addrs) is _nd and t8.dtype is _U64 and t8.ndim == 1
         else _pack(t8, _U64, side, "RegisterInfo.v_base_addrs")
     )
@@ -1171,6 +1225,8 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         (
             t9.tobytes()
             if t9.nbytes < _SIDE_MIN
+            else _push(side, t9)
+            if side is not None and t9.strides[0] == 8
             else _side_frame(t9, _U64, side, "RegisterInfo.bytes_per_page")
         )
         if type(t9 := m.bytes_per_page) is _nd and t9.dtype is _U64 and t9.ndim == 1
@@ -1180,6 +1236,8 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         (
             t10.tobytes()
             if t10.nbytes < _SIDE_MIN
+            else _push(side, t10)
+            if side is not None and t10.strides[0] == 8
             else _side_frame(t10, _U64, side, "RegisterInfo.region_lens")
         )
         if type(t10 := m.region_lens) is _nd and t10.dtype is _U64 and t10.ndim == 1
@@ -1189,13 +1247,21 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         (
             t18.tobytes()
             if t18.nbytes < _SIDE_MIN
+            else _push(side, t18)
+            if side is not None and t18.strides[0] == 8
             else _side_frame(t18, _U64, side, "RegisterInfo.aux_base_addrs")
         )
         if type(t18 := m.aux_base_addrs) is _nd and t18.dtype is _U64 and t18.ndim == 1
         else _pack(t18, _U64, side, "RegisterInfo.aux_base_addrs")
     )
     x19 = (
-        (t19.tobytes() if t19.nbytes < _SIDE_MIN else _side_frame(t19, _U64, side, "RegisterInfo.aux_lens"))
+        (
+            t19.tobytes()
+            if t19.nbytes < _SIDE_MIN
+            else _push(side, t19)
+            if side is not None and t19.strides[0] == 8
+            else _side_frame(t19, _U64, side, "RegisterInfo.aux_lens")
+        )
         if type(t19 := m.aux_lens) is _nd and t19.dtype is _U64 and t19.ndim == 1
         else _pack(t19, _U64, side, "RegisterInfo.aux_lens")
     )
@@ -1203,6 +1269,8 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         (
             t20.tobytes()
             if t20.nbytes < _SIDE_MIN
+            else _push(side, t20)
+            if side is not None and t20.strides[0] == 8
             else _side_frame(t20, _U64, side, "RegisterInfo.aux_item_lens")
         )
         if type(t20 := m.aux_item_lens) is _nd and t20.dtype is _U64 and t20.ndim == 1
@@ -1212,24 +1280,24 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
     for v27 in m.state_components:
         x27.append(_enc_StateComponent(v27, side))
     return [
-        m.endpoint,
-        m.engine_id,
-        m.agent_name,
+        x0,
+        x1,
+        x2,
         m.agent_metadata,
         x4,
-        m.first_layer,
-        m.num_layers,
+        x5,
+        x6,
         x7,
         x8,
         x9,
         x10,
-        m.num_pages,
-        m.page_size,
-        m.kv_layout,
-        m.kv_heads_per_rank,
-        m.kv_heads_total,
-        m.bytes_per_head,
-        m.is_mla,
+        x11,
+        x12,
+        x13,
+        x14,
+        x15,
+        x16,
+        x17,
         x18,
         x19,
         x20,
@@ -1246,12 +1314,12 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         b"",
         x27,
         m.aux_mem_descs,
-        m.kv_page_stride,
-        m.k_page_offset,
-        m.v_page_offset,
-        m.kv_head_stride,
-        m.scatter_base,
-        m.scatter_len,
+        x29,
+        x30,
+        x31,
+        x32,
+        x33,
+        x34,
         m.scatter_mem_descs,
     ]
 
@@ -1292,60 +1360,63 @@ def _dec_RegisterInfo(w: _W_RegisterInfo, c: _a.Cursor) -> RegisterInfo:
     )
 
 
-def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> RegisterInfo:
-    x4 = _fdec_ParallelGeometry(w.geometry, f, k)
+def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, i: int) -> tuple[RegisterInfo, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
+    x4, i = _fdec_ParallelGeometry(w.geometry, f, i)
     x7 = (
         (_fb(t7, _U64) if t7 else _E_U64)
         if type(t7 := w.k_base_addrs) is bytes
         else _fb(f[t7], _U64)
-        if t7 == _next(k)
+        if t7 == i and (i := i + 1)
         else _bail()
     )
     x8 = (
         (_fb(t8, _U64) if t8 else _E_U64)
         if type(t8 := w.v_base_addrs) is bytes
         else _fb(f[t8], _U64)
-        if t8 == _next(k)
+        if t8 == i and (i := i + 1)
         else _bail()
     )
     x9 = (
         (_fb(t9, _U64) if t9 else _E_U64)
         if type(t9 := w.bytes_per_page) is bytes
         else _fb(f[t9], _U64)
-        if t9 == _next(k)
+        if t9 == i and (i := i + 1)
         else _bail()
     )
     x10 = (
         (_fb(t10, _U64) if t10 else _E_U64)
         if type(t10 := w.region_lens) is bytes
         else _fb(f[t10], _U64)
-        if t10 == _next(k)
+        if t10 == i and (i := i + 1)
         else _bail()
     )
     x18 = (
         (_fb(t18, _U64) if t18 else _E_U64)
         if type(t18 := w.aux_base_addrs) is bytes
         else _fb(f[t18], _U64)
-        if t18 == _next(k)
+        if t18 == i and (i := i + 1)
         else _bail()
     )
     x19 = (
         (_fb(t19, _U64) if t19 else _E_U64)
         if type(t19 := w.aux_lens) is bytes
         else _fb(f[t19], _U64)
-        if t19 == _next(k)
+        if t19 == i and (i := i + 1)
         else _bail()
     )
     x20 = (
         (_fb(t20, _U64) if t20 else _E_U64)
         if type(t20 := w.aux_item_lens) is bytes
         else _fb(f[t20], _U64)
-        if t20 == _next(k)
+        if t20 == i and (i := i + 1)
         else _bail()
     )
     x27 = []
     for v27 in w.state_components:
-        x27.append(_fdec_StateComponent(v27, f, k))
+        x27_, i = _fdec_StateComponent(v27, f, i)
+        x27.append(x27_)
     return RegisterInfo(
         endpoint=w.endpoint,
         engine_id=w.engine_id,
@@ -1378,7 +1449,7 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, k: _a.SideCounter) -> R
         scatter_base=w.scatter_base,
         scatter_len=w.scatter_len,
         scatter_mem_descs=w.scatter_mem_descs,
-    )
+    ), i
 
 
 def _at_RegisterInfo(m: RegisterInfo, v: int, old: dict[str, Any] | None = None) -> RegisterInfo:
@@ -1463,6 +1534,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x7.tobytes()
                 if x7.nbytes < _SIDE_MIN
+                else _push(side, x7)
+                if side is not None and x7.strides[0] == 8
                 else _side_frame(x7, _U64, side, "RegisterInfo.k_base_addrs")
             )
             if type(x7 := m.k_base_addrs) is _nd and x7.dtype is _U64 and x7.ndim == 1
@@ -1472,6 +1545,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x8.tobytes()
                 if x8.nbytes < _SIDE_MIN
+                else _push(side, x8)
+                if side is not None and x8.strides[0] == 8
                 else _side_frame(x8, _U64, side, "RegisterInfo.v_base_addrs")
             )
             if type(x8 := m.v_base_addrs) is _nd and x8.dtype is _U64 and x8.ndim == 1
@@ -1481,6 +1556,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x9.tobytes()
                 if x9.nbytes < _SIDE_MIN
+                else _push(side, x9)
+                if side is not None and x9.strides[0] == 8
                 else _side_frame(x9, _U64, side, "RegisterInfo.bytes_per_page")
             )
             if type(x9 := m.bytes_per_page) is _nd and x9.dtype is _U64 and x9.ndim == 1
@@ -1490,6 +1567,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x10.tobytes()
                 if x10.nbytes < _SIDE_MIN
+                else _push(side, x10)
+                if side is not None and x10.strides[0] == 8
                 else _side_frame(x10, _U64, side, "RegisterInfo.region_lens")
             )
             if type(x10 := m.region_lens) is _nd and x10.dtype is _U64 and x10.ndim == 1
@@ -1506,6 +1585,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x18.tobytes()
                 if x18.nbytes < _SIDE_MIN
+                else _push(side, x18)
+                if side is not None and x18.strides[0] == 8
                 else _side_frame(x18, _U64, side, "RegisterInfo.aux_base_addrs")
             )
             if type(x18 := m.aux_base_addrs) is _nd and x18.dtype is _U64 and x18.ndim == 1
@@ -1515,6 +1596,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x19.tobytes()
                 if x19.nbytes < _SIDE_MIN
+                else _push(side, x19)
+                if side is not None and x19.strides[0] == 8
                 else _side_frame(x19, _U64, side, "RegisterInfo.aux_lens")
             )
             if type(x19 := m.aux_lens) is _nd and x19.dtype is _U64 and x19.ndim == 1
@@ -1524,6 +1607,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x20.tobytes()
                 if x20.nbytes < _SIDE_MIN
+                else _push(side, x20)
+                if side is not None and x20.strides[0] == 8
                 else _side_frame(x20, _U64, side, "RegisterInfo.aux_item_lens")
             )
             if type(x20 := m.aux_item_lens) is _nd and x20.dtype is _U64 and x20.ndim == 1
@@ -1535,6 +1620,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x23.tobytes()
                 if x23.nbytes < _SIDE_MIN
+                else _push(side, x23)
+                if side is not None and x23.strides[0] == 8
                 else _side_frame(x23, _U64, side, "RegisterInfo.flat_state_base_addrs")
             )
             if type(x23 := old.get("flat_state_base_addrs", _E_U64)) is _nd
@@ -1546,6 +1633,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x24.tobytes()
                 if x24.nbytes < _SIDE_MIN
+                else _push(side, x24)
+                if side is not None and x24.strides[0] == 8
                 else _side_frame(x24, _U64, side, "RegisterInfo.flat_state_region_lens")
             )
             if type(x24 := old.get("flat_state_region_lens", _E_U64)) is _nd
@@ -1557,6 +1646,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x25.tobytes()
                 if x25.nbytes < _SIDE_MIN
+                else _push(side, x25)
+                if side is not None and x25.strides[0] == 8
                 else _side_frame(x25, _U64, side, "RegisterInfo.flat_state_bytes_per_slot")
             )
             if type(x25 := old.get("flat_state_bytes_per_slot", _E_U64)) is _nd
@@ -1568,6 +1659,8 @@ def _enc_RegisterInfo_1_0(m: RegisterInfo, side: _a.SideFrames | None) -> list[A
             (
                 x26.tobytes()
                 if x26.nbytes < _SIDE_MIN
+                else _push(side, x26)
+                if side is not None and x26.strides[0] == 8
                 else _side_frame(x26, _U64, side, "RegisterInfo.flat_state_shard_axis_sizes")
             )
             if type(x26 := old.get("flat_state_shard_axis_sizes", _E_U64)) is _nd
@@ -1798,28 +1891,32 @@ _SCALARS_TransferRequest: tuple[_env.Scalar, ...] = (
 
 def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.sender) is str
-        and type(m.dst_aux_index) is int
-        and -2147483648 <= m.dst_aux_index <= 2147483647
-        and type(m.required_dst_info_num) is int
-        and 0 <= m.required_dst_info_num <= 4294967295
-        and type(m.decode_prefix_len) is int
-        and 0 <= m.decode_prefix_len <= 18446744073709551615
-        and type(m.is_dummy) is bool
-        and type(m.scatter_offset) is int
-        and -9223372036854775808 <= m.scatter_offset <= 9223372036854775807
-        and type(m.scatter_page_bytes) is int
-        and 0 <= m.scatter_page_bytes <= 18446744073709551615
-        and type(m.scatter_pages) is int
-        and 0 <= m.scatter_pages <= 4294967295
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.sender) is str
+        and type(x3 := m.dst_aux_index) is int
+        and -2147483648 <= x3 <= 2147483647
+        and type(x5 := m.required_dst_info_num) is int
+        and 0 <= x5 <= 4294967295
+        and type(x6 := m.decode_prefix_len) is int
+        and 0 <= x6 <= 18446744073709551615
+        and type(x7 := m.is_dummy) is bool
+        and type(x9 := m.scatter_offset) is int
+        and -9223372036854775808 <= x9 <= 9223372036854775807
+        and type(x10 := m.scatter_page_bytes) is int
+        and 0 <= x10 <= 18446744073709551615
+        and type(x11 := m.scatter_pages) is int
+        and 0 <= x11 <= 4294967295
     ):
-        _env.refuse_scalars(m, "TransferRequest", _SCALARS_TransferRequest)
+        x0, x1, x3, x5, x6, x7, x9, x10, x11 = _env.refuse_scalars(
+            m, "TransferRequest", _SCALARS_TransferRequest
+        )
     x2 = (
         (
             t2.tobytes()
             if t2.nbytes < _SIDE_MIN
+            else _push(side, t2)
+            if side is not None and t2.strides[0] == 4
             else _side_frame(t2, _I32, side, "TransferRequest.dst_kv_indices")
         )
         if type(t2 := m.dst_kv_indices) is _nd and t2.dtype is _I32 and t2.ndim == 1
@@ -1834,6 +1931,8 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
                 (
                     v8.tobytes()
                     if v8.nbytes < _SIDE_MIN
+                    else _push(side, v8)
+                    if side is not None and v8.strides[0] == 4
                     else _side_frame(v8, _I32, side, "TransferRequest.state_indices[]")
                 )
                 if type(v8) is _nd and v8.dtype is _I32 and v8.ndim == 1
@@ -1841,19 +1940,19 @@ def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list
             )
         )
     return [
-        m.room,
-        m.sender,
+        x0,
+        x1,
         x2,
-        m.dst_aux_index,
+        x3,
         # flat_state_indices: removed in 1.1
         b"",
-        m.required_dst_info_num,
-        m.decode_prefix_len,
-        m.is_dummy,
+        x5,
+        x6,
+        x7,
         x8,
-        m.scatter_offset,
-        m.scatter_page_bytes,
-        m.scatter_pages,
+        x9,
+        x10,
+        x11,
     ]
 
 
@@ -1875,12 +1974,14 @@ def _dec_TransferRequest(w: _W_TransferRequest, c: _a.Cursor) -> TransferRequest
     )
 
 
-def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter) -> TransferRequest:
+def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, i: int) -> tuple[TransferRequest, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x2 = (
         (_fb(t2, _I32) if t2 else _E_I32)
         if type(t2 := w.dst_kv_indices) is bytes
         else _fb(f[t2], _I32)
-        if t2 == _next(k)
+        if t2 == i and (i := i + 1)
         else _bail()
     )
     x8 = []
@@ -1892,7 +1993,7 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter
                 (_fb(v8, _I32) if v8 else _E_I32)
                 if type(v8) is bytes
                 else _fb(f[v8], _I32)
-                if v8 == _next(k)
+                if v8 == i and (i := i + 1)
                 else _bail()
             )
         )
@@ -1908,7 +2009,7 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, k: _a.SideCounter
         scatter_offset=w.scatter_offset,
         scatter_page_bytes=w.scatter_page_bytes,
         scatter_pages=w.scatter_pages,
-    )
+    ), i
 
 
 def _at_TransferRequest(m: TransferRequest, v: int, old: dict[str, Any] | None = None) -> TransferRequest:
@@ -1954,6 +2055,8 @@ def _enc_TransferRequest_1_0(m: TransferRequest, side: _a.SideFrames | None) -> 
             (
                 x2.tobytes()
                 if x2.nbytes < _SIDE_MIN
+                else _push(side, x2)
+                if side is not None and x2.strides[0] == 4
                 else _side_frame(x2, _I32, side, "TransferRequest.dst_kv_indices")
             )
             if type(x2 := m.dst_kv_indices) is _nd and x2.dtype is _I32 and x2.ndim == 1
@@ -1964,6 +2067,8 @@ def _enc_TransferRequest_1_0(m: TransferRequest, side: _a.SideFrames | None) -> 
             (
                 x4.tobytes()
                 if x4.nbytes < _SIDE_MIN
+                else _push(side, x4)
+                if side is not None and x4.strides[0] == 4
                 else _side_frame(x4, _I32, side, "TransferRequest.flat_state_indices")
             )
             if type(x4 := old.get("flat_state_indices", _E_I32)) is _nd and x4.dtype is _I32 and x4.ndim == 1
@@ -2082,21 +2187,21 @@ _SCALARS_TransferStatus: tuple[_env.Scalar, ...] = (
 
 def _enc_TransferStatus(m: TransferStatus, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.status) is Status
-        and type(m.sender_rank) is int
-        and 0 <= m.sender_rank <= 4294967295
-        and type(m.reason) is str
-        and type(m.failure_kind) is FailureKind
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.status) is Status
+        and type(x2 := m.sender_rank) is int
+        and 0 <= x2 <= 4294967295
+        and type(x3 := m.reason) is str
+        and type(x4 := m.failure_kind) is FailureKind
     ):
-        _env.refuse_scalars(m, "TransferStatus", _SCALARS_TransferStatus)
+        x0, x1, x2, x3, x4 = _env.refuse_scalars(m, "TransferStatus", _SCALARS_TransferStatus)
     return [
-        m.room,
-        m.status,
-        m.sender_rank,
-        m.reason,
-        m.failure_kind,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
     ]
 
 
@@ -2110,14 +2215,16 @@ def _dec_TransferStatus(w: _W_TransferStatus, c: _a.Cursor) -> TransferStatus:
     )
 
 
-def _fdec_TransferStatus(w: _W_TransferStatus, f: _a.Frames, k: _a.SideCounter) -> TransferStatus:
+def _fdec_TransferStatus(w: _W_TransferStatus, f: _a.Frames, i: int) -> tuple[TransferStatus, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return TransferStatus(
         room=w.room,
         status=w.status,
         sender_rank=w.sender_rank,
         reason=w.reason,
         failure_kind=w.failure_kind,
-    )
+    ), i
 
 
 def _at_TransferStatus(m: TransferStatus, v: int, old: dict[str, Any] | None = None) -> TransferStatus:
@@ -2215,48 +2322,52 @@ _SCALARS_Notification: tuple[_env.Scalar, ...] = (
 
 def _enc_Notification(m: Notification, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.kind) is NotificationKind
-        and type(m.chunk_id) is int
-        and 0 <= m.chunk_id <= 4294967295
-        and type(m.is_last) is bool
-        and type(m.sender_rank) is int
-        and 0 <= m.sender_rank <= 4294967295
-        and type(m.component) is int
-        and 0 <= m.component <= 4294967295
-        and type(m.expected_consumers) is int
-        and 0 <= m.expected_consumers <= 4294967295
-        and type(m.chunk_count) is int
-        and 0 <= m.chunk_count <= 4294967295
-        and type(m.also_aux) is bool
-        and type(m.scatter_first_page) is int
-        and 0 <= m.scatter_first_page <= 4294967295
-        and type(m.scatter_pages) is int
-        and 0 <= m.scatter_pages <= 4294967295
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.kind) is NotificationKind
+        and type(x2 := m.chunk_id) is int
+        and 0 <= x2 <= 4294967295
+        and type(x3 := m.is_last) is bool
+        and type(x4 := m.sender_rank) is int
+        and 0 <= x4 <= 4294967295
+        and type(x5 := m.component) is int
+        and 0 <= x5 <= 4294967295
+        and type(x6 := m.expected_consumers) is int
+        and 0 <= x6 <= 4294967295
+        and type(x7 := m.chunk_count) is int
+        and 0 <= x7 <= 4294967295
+        and type(x9 := m.also_aux) is bool
+        and type(x10 := m.scatter_first_page) is int
+        and 0 <= x10 <= 4294967295
+        and type(x11 := m.scatter_pages) is int
+        and 0 <= x11 <= 4294967295
     ):
-        _env.refuse_scalars(m, "Notification", _SCALARS_Notification)
+        x0, x1, x2, x3, x4, x5, x6, x7, x9, x10, x11 = _env.refuse_scalars(
+            m, "Notification", _SCALARS_Notification
+        )
     return [
-        m.room,
-        m.kind,
-        m.chunk_id,
-        m.is_last,
-        m.sender_rank,
-        m.component,
-        m.expected_consumers,
-        m.chunk_count,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
+        x5,
+        x6,
+        x7,
         (
             (
                 x8.tobytes()
                 if x8.nbytes < _SIDE_MIN
+                else _push(side, x8)
+                if side is not None and x8.strides[0] == 4
                 else _side_frame(x8, _U32, side, "Notification.also_components")
             )
             if type(x8 := m.also_components) is _nd and x8.dtype is _U32 and x8.ndim == 1
             else _pack(x8, _U32, side, "Notification.also_components")
         ),
-        m.also_aux,
-        m.scatter_first_page,
-        m.scatter_pages,
+        x9,
+        x10,
+        x11,
     ]
 
 
@@ -2277,7 +2388,16 @@ def _dec_Notification(w: _W_Notification, c: _a.Cursor) -> Notification:
     )
 
 
-def _fdec_Notification(w: _W_Notification, f: _a.Frames, k: _a.SideCounter) -> Notification:
+def _fdec_Notification(w: _W_Notification, f: _a.Frames, i: int) -> tuple[Notification, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
+    x8 = (
+        (_fb(t8, _U32) if t8 else _E_U32)
+        if type(t8 := w.also_components) is bytes
+        else _fb(f[t8], _U32)
+        if t8 == i and (i := i + 1)
+        else _bail()
+    )
     return Notification(
         room=w.room,
         kind=w.kind,
@@ -2287,17 +2407,11 @@ def _fdec_Notification(w: _W_Notification, f: _a.Frames, k: _a.SideCounter) -> N
         component=w.component,
         expected_consumers=w.expected_consumers,
         chunk_count=w.chunk_count,
-        also_components=(
-            (_fb(x8, _U32) if x8 else _E_U32)
-            if type(x8 := w.also_components) is bytes
-            else _fb(f[x8], _U32)
-            if x8 == _next(k)
-            else _bail()
-        ),
+        also_components=x8,
         also_aux=w.also_aux,
         scatter_first_page=w.scatter_first_page,
         scatter_pages=w.scatter_pages,
-    )
+    ), i
 
 
 def _at_Notification(m: Notification, v: int, old: dict[str, Any] | None = None) -> Notification:
@@ -2373,16 +2487,16 @@ _SCALARS_Abort: tuple[_env.Scalar, ...] = (
 
 def _enc_Abort(m: Abort, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.sender) is str
-        and type(m.reason) is str
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.sender) is str
+        and type(x2 := m.reason) is str
     ):
-        _env.refuse_scalars(m, "Abort", _SCALARS_Abort)
+        x0, x1, x2 = _env.refuse_scalars(m, "Abort", _SCALARS_Abort)
     return [
-        m.room,
-        m.sender,
-        m.reason,
+        x0,
+        x1,
+        x2,
     ]
 
 
@@ -2394,12 +2508,14 @@ def _dec_Abort(w: _W_Abort, c: _a.Cursor) -> Abort:
     )
 
 
-def _fdec_Abort(w: _W_Abort, f: _a.Frames, k: _a.SideCounter) -> Abort:
+def _fdec_Abort(w: _W_Abort, f: _a.Frames, i: int) -> tuple[Abort, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Abort(
         room=w.room,
         sender=w.sender,
         reason=w.reason,
-    )
+    ), i
 
 
 _Abort = _env.MessageSpec(
@@ -2441,15 +2557,15 @@ _SCALARS_AbortAck: tuple[_env.Scalar, ...] = (
 
 def _enc_AbortAck(m: AbortAck, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.sender_rank) is int
-        and 0 <= m.sender_rank <= 4294967295
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.sender_rank) is int
+        and 0 <= x1 <= 4294967295
     ):
-        _env.refuse_scalars(m, "AbortAck", _SCALARS_AbortAck)
+        x0, x1 = _env.refuse_scalars(m, "AbortAck", _SCALARS_AbortAck)
     return [
-        m.room,
-        m.sender_rank,
+        x0,
+        x1,
     ]
 
 
@@ -2460,11 +2576,13 @@ def _dec_AbortAck(w: _W_AbortAck, c: _a.Cursor) -> AbortAck:
     )
 
 
-def _fdec_AbortAck(w: _W_AbortAck, f: _a.Frames, k: _a.SideCounter) -> AbortAck:
+def _fdec_AbortAck(w: _W_AbortAck, f: _a.Frames, i: int) -> tuple[AbortAck, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return AbortAck(
         room=w.room,
         sender_rank=w.sender_rank,
-    )
+    ), i
 
 
 _AbortAck = _env.MessageSpec(
@@ -2531,15 +2649,21 @@ _SCALARS_RegisterAck: tuple[_env.Scalar, ...] = (
 
 def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.accepted) is bool
-        and type(m.sender_rank) is int
-        and 0 <= m.sender_rank <= 4294967295
-        and type(m.failure_kind) is FailureKind
-        and type(m.reason) is str
+        type(x0 := m.accepted) is bool
+        and type(x1 := m.sender_rank) is int
+        and 0 <= x1 <= 4294967295
+        and type(x2 := m.failure_kind) is FailureKind
+        and type(x3 := m.reason) is str
     ):
-        _env.refuse_scalars(m, "RegisterAck", _SCALARS_RegisterAck)
+        x0, x1, x2, x3 = _env.refuse_scalars(m, "RegisterAck", _SCALARS_RegisterAck)
     x4 = (
-        (t4.tobytes() if t4.nbytes < _SIDE_MIN else _side_frame(t4, _U32, side, "RegisterAck.kv_layers"))
+        (
+            t4.tobytes()
+            if t4.nbytes < _SIDE_MIN
+            else _push(side, t4)
+            if side is not None and t4.strides[0] == 4
+            else _side_frame(t4, _U32, side, "RegisterAck.kv_layers")
+        )
         if type(t4 := m.kv_layers) is _nd and t4.dtype is _U32 and t4.ndim == 1
         else _pack(t4, _U32, side, "RegisterAck.kv_layers")
     )
@@ -2549,6 +2673,8 @@ def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
             (
                 v5.tobytes()
                 if v5.nbytes < _SIDE_MIN
+                else _push(side, v5)
+                if side is not None and v5.strides[0] == 4
                 else _side_frame(v5, _U32, side, "RegisterAck.state_layers[]")
             )
             if type(v5) is _nd and v5.dtype is _U32 and v5.ndim == 1
@@ -2556,10 +2682,10 @@ def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
         )
     x6 = None if m.kv_heads is None else _enc_HeadSharding(m.kv_heads, side)
     return [
-        m.accepted,
-        m.sender_rank,
-        m.failure_kind,
-        m.reason,
+        x0,
+        x1,
+        x2,
+        x3,
         x4,
         x5,
         x6,
@@ -2578,12 +2704,14 @@ def _dec_RegisterAck(w: _W_RegisterAck, c: _a.Cursor) -> RegisterAck:
     )
 
 
-def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, k: _a.SideCounter) -> RegisterAck:
+def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, i: int) -> tuple[RegisterAck, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x4 = (
         (_fb(t4, _U32) if t4 else _E_U32)
         if type(t4 := w.kv_layers) is bytes
         else _fb(f[t4], _U32)
-        if t4 == _next(k)
+        if t4 == i and (i := i + 1)
         else _bail()
     )
     x5 = []
@@ -2592,10 +2720,12 @@ def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, k: _a.SideCounter) -> Reg
             (_fb(v5, _U32) if v5 else _E_U32)
             if type(v5) is bytes
             else _fb(f[v5], _U32)
-            if v5 == _next(k)
+            if v5 == i and (i := i + 1)
             else _bail()
         )
-    x6 = None if w.kv_heads is None else _fdec_HeadSharding(w.kv_heads, f, k)
+    x6 = None
+    if w.kv_heads is not None:
+        x6, i = _fdec_HeadSharding(w.kv_heads, f, i)
     return RegisterAck(
         accepted=w.accepted,
         sender_rank=w.sender_rank,
@@ -2604,7 +2734,7 @@ def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, k: _a.SideCounter) -> Reg
         kv_layers=x4,
         state_layers=x5,
         kv_heads=x6,
-    )
+    ), i
 
 
 def _at_RegisterAck(m: RegisterAck, v: int, old: dict[str, Any] | None = None) -> RegisterAck:

@@ -38,7 +38,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -49,9 +49,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -104,22 +104,22 @@ _SCALARS_RegionRow: tuple[_env.Scalar, ...] = (
 
 def _enc_RegionRow(m: RegionRow, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.base) is int
-        and 0 <= m.base <= 18446744073709551615
-        and type(m.length) is int
-        and 0 <= m.length <= 18446744073709551615
-        and type(m.kind) is str
-        and type(m.device_id) is int
-        and 0 <= m.device_id <= 4294967295
-        and type(m.name) is str
+        type(x0 := m.base) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.length) is int
+        and 0 <= x1 <= 18446744073709551615
+        and type(x2 := m.kind) is str
+        and type(x3 := m.device_id) is int
+        and 0 <= x3 <= 4294967295
+        and type(x4 := m.name) is str
     ):
-        _env.refuse_scalars(m, "RegionRow", _SCALARS_RegionRow)
+        x0, x1, x2, x3, x4 = _env.refuse_scalars(m, "RegionRow", _SCALARS_RegionRow)
     return [
-        m.base,
-        m.length,
-        m.kind,
-        m.device_id,
-        m.name,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
     ]
 
 
@@ -133,14 +133,16 @@ def _dec_RegionRow(w: _W_RegionRow, c: _a.Cursor) -> RegionRow:
     )
 
 
-def _fdec_RegionRow(w: _W_RegionRow, f: _a.Frames, k: _a.SideCounter) -> RegionRow:
+def _fdec_RegionRow(w: _W_RegionRow, f: _a.Frames, i: int) -> tuple[RegionRow, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return RegionRow(
         base=w.base,
         length=w.length,
         kind=w.kind,
         device_id=w.device_id,
         name=w.name,
-    )
+    ), i
 
 
 # --- AgentMetadata -----------------------------------------------------------------------------
@@ -198,26 +200,26 @@ _SCALARS_AgentMetadata: tuple[_env.Scalar, ...] = (
 
 def _enc_AgentMetadata(m: AgentMetadata, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.backend) is str
-        and type(m.agent_name) is str
-        and type(m.pid) is int
-        and 0 <= m.pid <= 4294967295
-        and type(m.inbox) is str
-        and type(m.ucx_devices) is str
+        type(x0 := m.backend) is str
+        and type(x1 := m.agent_name) is str
+        and type(x2 := m.pid) is int
+        and 0 <= x2 <= 4294967295
+        and type(x5 := m.inbox) is str
+        and type(x7 := m.ucx_devices) is str
     ):
-        _env.refuse_scalars(m, "AgentMetadata", _SCALARS_AgentMetadata)
+        x0, x1, x2, x5, x7 = _env.refuse_scalars(m, "AgentMetadata", _SCALARS_AgentMetadata)
     x3 = []
     for v3 in m.regions:
         x3.append(_enc_RegionRow(v3, side))
     return [
-        m.backend,
-        m.agent_name,
-        m.pid,
+        x0,
+        x1,
+        x2,
         x3,
         m.engine,
-        m.inbox,
+        x5,
         m.window,
-        m.ucx_devices,
+        x7,
         m.addresses,
         m.proof,
     ]
@@ -238,10 +240,13 @@ def _dec_AgentMetadata(w: _W_AgentMetadata, c: _a.Cursor) -> AgentMetadata:
     )
 
 
-def _fdec_AgentMetadata(w: _W_AgentMetadata, f: _a.Frames, k: _a.SideCounter) -> AgentMetadata:
+def _fdec_AgentMetadata(w: _W_AgentMetadata, f: _a.Frames, i: int) -> tuple[AgentMetadata, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x3 = []
     for v3 in w.regions:
-        x3.append(_fdec_RegionRow(v3, f, k))
+        x3_, i = _fdec_RegionRow(v3, f, i)
+        x3.append(x3_)
     return AgentMetadata(
         backend=w.backend,
         agent_name=w.agent_name,
@@ -253,7 +258,7 @@ def _fdec_AgentMetadata(w: _W_AgentMetadata, f: _a.Frames, k: _a.SideCounter) ->
         ucx_devices=w.ucx_devices,
         addresses=w.addresses,
         proof=w.proof,
-    )
+    ), i
 
 
 def _at_AgentMetadata(m: AgentMetadata, v: int, old: dict[str, Any] | None = None) -> AgentMetadata:

@@ -8,7 +8,7 @@ body references by frame index. Decoding never copies: arrays are ``np.frombuffe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -34,7 +34,6 @@ WireArray = bytes | memoryview | int
 SideFrame = Buffer | npt.NDArray[Any]
 SideFrames = list[SideFrame]
 Frames = Sequence[Buffer]
-SideCounter = Iterator[int]  # itertools.count(2): the side-frame index the fast decoder expects next
 
 
 class Bail(Exception):
@@ -143,6 +142,11 @@ def side_frame(arr: npt.NDArray[Any], dtype: np.dtype[Any], side: SideFrames | N
         return _pack_slow(arr, dtype, side, where)
     if side is None:
         return arr.data
+    return push(side, arr)
+
+
+def push(side: SideFrames, arr: npt.NDArray[Any]) -> int:
+    """Append a large contiguous array (checked by the caller) as a side frame; its frame index."""
     side.append(arr)
     return len(side) + 1  # frames 0 and 1 are the header and the body
 

@@ -20,14 +20,13 @@ carry is refused, never guessed.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from .arrays import Buffer, Cursor, Frames, SideCounter, SideFrame, SideFrames
+from .arrays import Buffer, Cursor, Frames, SideFrame, SideFrames
 from .errors import (
     BodyError,
     DowngradeError,
@@ -47,8 +46,8 @@ from .negotiate import Version, describe
 Step = Callable[[Any], Any]
 ToWire = Callable[[Any, SideFrames | None], list[Any]]
 FromWire = Callable[[Any, Cursor], Any]
-FastFromWire = Callable[[Any, Frames, SideCounter], Any]
-_count = itertools.count
+# (wire struct, frames, index of the next side frame) -> (message, index after its side frames)
+FastFromWire = Callable[[Any, Frames, int], tuple[Any, int]]
 # header bytes -> (body decoder, fast generated decoder, frame count, check after decoding, version)
 _Entry = tuple[Callable[[Any], Any], FastFromWire, int, Step | None, Version]
 
@@ -278,12 +277,16 @@ def reset(msg: Any, defaults: Mapping[str, Any]) -> Any:
 Scalar = tuple[str, str, Any, Any]
 
 
-def refuse_scalars(msg: Any, name: str, scalars: Sequence[Scalar]) -> None:
+def refuse_scalars(msg: Any, name: str, scalars: Sequence[Scalar]) -> tuple[Any, ...]:
     """The generated encoders' slow path: raise EncodeError for the first field whose value is
-    outside its type, naming message and field; return when every value is acceptable after
-    all (an int given for an enum field that names one of its values)."""
+    outside its type, naming message and field. When every value is acceptable after all (an
+    int given for an enum field that names one of its values), return the values in
+    ``scalars`` order: the encoder's inline check stopped at the first surprise, so the locals
+    it binds for the body are set from these."""
+    values = []
     for field, kind, lo, hi in scalars:
         value = getattr(msg, field)
+        values.append(value)
         if kind.startswith("?"):
             if value is None:
                 continue
@@ -291,6 +294,7 @@ def refuse_scalars(msg: Any, name: str, scalars: Sequence[Scalar]) -> None:
         problem = _scalar_problem(value, kind, lo, hi)
         if problem is not None:
             raise EncodeError(problem, message=name, field=field)
+    return tuple(values)
 
 
 def _scalar_problem(value: Any, kind: str, lo: Any, hi: Any) -> str | None:
@@ -455,6 +459,9 @@ class Registry:
         for v in self.versions:  # later versions win: a class encodes at its major's newest minor
             for mc in codecs[v].values():
                 self.by_class[mc.cls] = mc
+        # class -> (encoder, header frames, codec) at the newest minor: what encode() reads
+        # for the common case, without a named tuple's attribute lookups
+        self._encoders = {cls: (mc.to_wire, mc.headers, mc) for cls, mc in self.by_class.items()}
         self.dispatch: dict[tuple[int, int, int], MessageCodec] = {}
         # exact header frame -> (body decoder, fast decoder, frame count, check, version): one
         # dict lookup checks magic, protocol, version, type and side-frame count together
@@ -502,19 +509,16 @@ class Registry:
 
     # --- public codec ----------------------------------------------------------------------
     def encode(self, msg: Any, version: Any = None) -> list[SideFrame]:
-        mc = self.by_class.get(type(msg))
-        if mc is not None and (version is None or version == mc.version):
+        fast = self._encoders.get(type(msg))
+        if fast is not None and (version is None or version == fast[2].version):
             # the common case inline; any failure repeats through encode_with, which
             # classifies it (encoding has no side effects outside its own side list)
             side: SideFrames = []
-            try:
-                body = _encode(mc.to_wire(msg, side))
+            try:  # HEADERS_CACHED side frames or more: an IndexError, and encode_with packs the header
+                body = _encode(fast[0](msg, side))
+                return [fast[1][len(side)], body, *side]
             except Exception:
-                return encode_with(mc, msg)
-            n = len(side)
-            if n < HEADERS_CACHED:
-                return [mc.headers[n], body, *side]
-            return encode_with(mc, msg)
+                return encode_with(fast[2], msg)
         if version is None:
             raise EncodeError(f"{type(msg).__name__} is not a {self.protocol} message")
         return encode_with(self.target(msg, version), msg)
@@ -529,25 +533,17 @@ class Registry:
 
     def _fast(self, frames: Frames) -> tuple[Any, Version] | None:
         """The common case: a ``bytes`` header this build writes itself (see :meth:`decode`)."""
-        try:
-            n = len(frames)
-            header = frames[0]
-        except Exception:
-            return None
-        if n < 2 or type(header) is not bytes:
-            return None
-        entry = self.by_header.get(header)
-        if entry is None or n != entry[2]:
-            return None
-        try:
-            k = _count(2)
-            msg = entry[1](entry[0](frames[1]), frames, k)
-            if next(k) != n:  # a side frame no field referenced
-                return None
-            after = entry[3]
-            return (msg if after is None else after(msg)), entry[4]
-        except Exception:
-            return None
+        if type(frames) is list:
+            try:
+                entry = self.by_header.get(frames[0])
+                if entry is not None:
+                    body, fast, count, after, version = entry
+                    msg, end = fast(body(frames[1]), frames, 2)
+                    if end == count == len(frames):
+                        return (msg if after is None else after(msg)), version
+            except Exception:
+                pass
+        return None
 
     def decode(self, frames: Frames) -> Any:
         """Decode multipart frames into the model of their major.
@@ -559,25 +555,20 @@ class Registry:
         error; decoding has no side effects, so repeating it is safe.
         """
         if type(frames) is list:
-            n = len(frames)
-            if n >= 2:
-                header = frames[0]
-                if type(header) is bytes:
-                    entry = self.by_header.get(header)
-                    if entry is not None and n == entry[2]:
-                        try:
-                            k = _count(2)
-                            msg = entry[1](entry[0](frames[1]), frames, k)
-                            if next(k) == n:  # else a side frame no field referenced
-                                after = entry[3]
-                                return msg if after is None else after(msg)
-                        except Exception:
-                            pass
+            try:  # a header that is not bytes finds no entry or is unhashable
+                entry = self.by_header.get(frames[0])
+                if entry is not None:
+                    body, fast, count, after, _ = entry
+                    msg, end = fast(body(frames[1]), frames, 2)
+                    if end == count == len(frames):  # every side frame referenced, and no more
+                        return msg if after is None else after(msg)
+            except Exception:
+                pass
         return self._checked(frames)[0]
 
     def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
         """Decode to the model of the frames' major; also return the version the sender wrote."""
-        fast = self._fast(frames) if type(frames) is list else None
+        fast = self._fast(frames)
         return fast if fast is not None else self._checked(frames)
 
     def _checked(self, frames: Any) -> tuple[Any, Version]:

@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -39,9 +39,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -87,27 +87,51 @@ _SCALARS_Pages: tuple[_env.Scalar, ...] = (("room", "int", 0, 184467440737095516
 
 
 def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
-    if not (type(m.room) is int and 0 <= m.room <= 18446744073709551615):
-        _env.refuse_scalars(m, "Pages", _SCALARS_Pages)
+    if not (type(x0 := m.room) is int and 0 <= x0 <= 18446744073709551615):
+        (x0,) = _env.refuse_scalars(m, "Pages", _SCALARS_Pages)
     x1 = (
-        (t1.tobytes() if t1.nbytes < _SIDE_MIN else _side_frame(t1, _I32, side, "Pages.pages"))
+        (
+            t1.tobytes()
+            if t1.nbytes < _SIDE_MIN
+            else _push(side, t1)
+            if side is not None and t1.strides[0] == 4
+            else _side_frame(t1, _I32, side, "Pages.pages")
+        )
         if type(t1 := m.pages) is _nd and t1.dtype is _I32 and t1.ndim == 1
         else _pack(t1, _I32, side, "Pages.pages")
     )
     x2 = (
-        (t2.tobytes() if t2.nbytes < _SIDE_MIN else _side_frame(t2, _U32, side, "Pages.ranks"))
+        (
+            t2.tobytes()
+            if t2.nbytes < _SIDE_MIN
+            else _push(side, t2)
+            if side is not None and t2.strides[0] == 4
+            else _side_frame(t2, _U32, side, "Pages.ranks")
+        )
         if type(t2 := m.ranks) is _nd and t2.dtype is _U32 and t2.ndim == 1
         else _pack(t2, _U32, side, "Pages.ranks")
     )
     x3 = (
-        (t3.tobytes() if t3.nbytes < _SIDE_MIN else _side_frame(t3, _U64, side, "Pages.addresses"))
+        (
+            t3.tobytes()
+            if t3.nbytes < _SIDE_MIN
+            else _push(side, t3)
+            if side is not None and t3.strides[0] == 8
+            else _side_frame(t3, _U64, side, "Pages.addresses")
+        )
         if type(t3 := m.addresses) is _nd and t3.dtype is _U64 and t3.ndim == 1
         else _pack(t3, _U64, side, "Pages.addresses")
     )
     x4 = []
     for v4 in m.per_layer:
         x4.append(
-            (v4.tobytes() if v4.nbytes < _SIDE_MIN else _side_frame(v4, _U32, side, "Pages.per_layer[]"))
+            (
+                v4.tobytes()
+                if v4.nbytes < _SIDE_MIN
+                else _push(side, v4)
+                if side is not None and v4.strides[0] == 4
+                else _side_frame(v4, _U32, side, "Pages.per_layer[]")
+            )
             if type(v4) is _nd and v4.dtype is _U32 and v4.ndim == 1
             else _pack(v4, _U32, side, "Pages.per_layer[]")
         )
@@ -117,13 +141,19 @@ def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
             None
             if v5 is None
             else (
-                (v5.tobytes() if v5.nbytes < _SIDE_MIN else _side_frame(v5, _I32, side, "Pages.maybe[]"))
+                (
+                    v5.tobytes()
+                    if v5.nbytes < _SIDE_MIN
+                    else _push(side, v5)
+                    if side is not None and v5.strides[0] == 4
+                    else _side_frame(v5, _I32, side, "Pages.maybe[]")
+                )
                 if type(v5) is _nd and v5.dtype is _I32 and v5.ndim == 1
                 else _pack(v5, _I32, side, "Pages.maybe[]")
             )
         )
     return [
-        m.room,
+        x0,
         x1,
         x2,
         x3,
@@ -145,26 +175,28 @@ def _dec_Pages(w: _W_Pages, c: _a.Cursor) -> Pages:
     )
 
 
-def _fdec_Pages(w: _W_Pages, f: _a.Frames, k: _a.SideCounter) -> Pages:
+def _fdec_Pages(w: _W_Pages, f: _a.Frames, i: int) -> tuple[Pages, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x1 = (
         (_fb(t1, _I32) if t1 else _E_I32)
         if type(t1 := w.pages) is bytes
         else _fb(f[t1], _I32)
-        if t1 == _next(k)
+        if t1 == i and (i := i + 1)
         else _bail()
     )
     x2 = (
         (_fb(t2, _U32) if t2 else _E_U32)
         if type(t2 := w.ranks) is bytes
         else _fb(f[t2], _U32)
-        if t2 == _next(k)
+        if t2 == i and (i := i + 1)
         else _bail()
     )
     x3 = (
         (_fb(t3, _U64) if t3 else _E_U64)
         if type(t3 := w.addresses) is bytes
         else _fb(f[t3], _U64)
-        if t3 == _next(k)
+        if t3 == i and (i := i + 1)
         else _bail()
     )
     x4 = []
@@ -173,7 +205,7 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, k: _a.SideCounter) -> Pages:
             (_fb(v4, _U32) if v4 else _E_U32)
             if type(v4) is bytes
             else _fb(f[v4], _U32)
-            if v4 == _next(k)
+            if v4 == i and (i := i + 1)
             else _bail()
         )
     x5 = []
@@ -185,7 +217,7 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, k: _a.SideCounter) -> Pages:
                 (_fb(v5, _I32) if v5 else _E_I32)
                 if type(v5) is bytes
                 else _fb(f[v5], _I32)
-                if v5 == _next(k)
+                if v5 == i and (i := i + 1)
                 else _bail()
             )
         )
@@ -197,7 +229,7 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, k: _a.SideCounter) -> Pages:
         per_layer=x4,
         maybe=x5,
         tags=w.tags,
-    )
+    ), i
 
 
 _Pages = _env.MessageSpec(

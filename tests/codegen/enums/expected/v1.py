@@ -27,7 +27,7 @@ from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -38,9 +38,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -98,14 +98,16 @@ _SCALARS_Paint: tuple[_env.Scalar, ...] = (
 
 def _enc_Paint(m: Paint, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.color) is Color and type(m.trim) is Color and (m.accent is None or type(m.accent) is Color)
+        type(x0 := m.color) is Color
+        and type(x1 := m.trim) is Color
+        and ((x3 := m.accent) is None or type(x3) is Color)
     ):
-        _env.refuse_scalars(m, "Paint", _SCALARS_Paint)
+        x0, x1, x3 = _env.refuse_scalars(m, "Paint", _SCALARS_Paint)
     return [
-        m.color,
-        m.trim,
+        x0,
+        x1,
         m.palette,
-        m.accent,
+        x3,
     ]
 
 
@@ -118,13 +120,15 @@ def _dec_Paint(w: _W_Paint, c: _a.Cursor) -> Paint:
     )
 
 
-def _fdec_Paint(w: _W_Paint, f: _a.Frames, k: _a.SideCounter) -> Paint:
+def _fdec_Paint(w: _W_Paint, f: _a.Frames, i: int) -> tuple[Paint, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Paint(
         color=w.color,
         trim=w.trim,
         palette=w.palette,
         accent=w.accent,
-    )
+    ), i
 
 
 def _at_Paint(m: Paint, v: int, old: dict[str, Any] | None = None) -> Paint:

@@ -27,7 +27,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -38,9 +38,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -80,12 +80,12 @@ _SCALARS_Version: tuple[_env.Scalar, ...] = (
 
 def _enc_Version(m: Version, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.major) is int and 0 <= m.major <= 65535 and type(m.minor) is int and 0 <= m.minor <= 65535
+        type(x0 := m.major) is int and 0 <= x0 <= 65535 and type(x1 := m.minor) is int and 0 <= x1 <= 65535
     ):
-        _env.refuse_scalars(m, "Version", _SCALARS_Version)
+        x0, x1 = _env.refuse_scalars(m, "Version", _SCALARS_Version)
     return [
-        m.major,
-        m.minor,
+        x0,
+        x1,
     ]
 
 
@@ -96,11 +96,13 @@ def _dec_Version(w: _W_Version, c: _a.Cursor) -> Version:
     )
 
 
-def _fdec_Version(w: _W_Version, f: _a.Frames, k: _a.SideCounter) -> Version:
+def _fdec_Version(w: _W_Version, f: _a.Frames, i: int) -> tuple[Version, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Version(
         major=w.major,
         minor=w.minor,
-    )
+    ), i
 
 
 # --- Hello -------------------------------------------------------------------------------------
@@ -123,13 +125,13 @@ _SCALARS_Hello: tuple[_env.Scalar, ...] = (("protocol", "str", None, None),)
 
 
 def _enc_Hello(m: Hello, side: _a.SideFrames | None) -> list[Any]:
-    if type(m.protocol) is not str:
-        _env.refuse_scalars(m, "Hello", _SCALARS_Hello)
+    if type(x0 := m.protocol) is not str:
+        (x0,) = _env.refuse_scalars(m, "Hello", _SCALARS_Hello)
     x1 = []
     for v1 in m.versions:
         x1.append(_enc_Version(v1, side))
     return [
-        m.protocol,
+        x0,
         x1,
     ]
 
@@ -141,14 +143,17 @@ def _dec_Hello(w: _W_Hello, c: _a.Cursor) -> Hello:
     )
 
 
-def _fdec_Hello(w: _W_Hello, f: _a.Frames, k: _a.SideCounter) -> Hello:
+def _fdec_Hello(w: _W_Hello, f: _a.Frames, i: int) -> tuple[Hello, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x1 = []
     for v1 in w.versions:
-        x1.append(_fdec_Version(v1, f, k))
+        x1_, i = _fdec_Version(v1, f, i)
+        x1.append(x1_)
     return Hello(
         protocol=w.protocol,
         versions=x1,
-    )
+    ), i
 
 
 _Hello = _env.MessageSpec(
@@ -192,18 +197,18 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
 
 def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.legacy) is int
-        and 0 <= m.legacy <= 4294967295
-        and type(m.epoch) is int
-        and 0 <= m.epoch <= 4294967295
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.legacy) is int
+        and 0 <= x1 <= 4294967295
+        and type(x2 := m.epoch) is int
+        and 0 <= x2 <= 4294967295
     ):
-        _env.refuse_scalars(m, "Request", _SCALARS_Request)
+        x0, x1, x2 = _env.refuse_scalars(m, "Request", _SCALARS_Request)
     return [
-        m.room,
-        m.legacy,
-        m.epoch,
+        x0,
+        x1,
+        x2,
     ]
 
 
@@ -215,12 +220,14 @@ def _dec_Request(w: _W_Request, c: _a.Cursor) -> Request:
     )
 
 
-def _fdec_Request(w: _W_Request, f: _a.Frames, k: _a.SideCounter) -> Request:
+def _fdec_Request(w: _W_Request, f: _a.Frames, i: int) -> tuple[Request, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Request(
         room=w.room,
         legacy=w.legacy,
         epoch=w.epoch,
-    )
+    ), i
 
 
 def _at_Request(m: Request, v: int, old: dict[str, Any] | None = None) -> Request:

@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2)
@@ -39,9 +39,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -91,24 +91,30 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
 
 def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.hint) is str
-        and type(m.limit) is int
-        and 0 <= m.limit <= 4294967295
+        type(x0 := m.room) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x3 := m.hint) is str
+        and type(x4 := m.limit) is int
+        and 0 <= x4 <= 4294967295
     ):
-        _env.refuse_scalars(m, "Request", _SCALARS_Request)
+        x0, x3, x4 = _env.refuse_scalars(m, "Request", _SCALARS_Request)
     return [
-        m.room,
+        x0,
         # flat: removed in 1.1
         b"",
         (
-            (x2.tobytes() if x2.nbytes < _SIDE_MIN else _side_frame(x2, _U32, side, "Request.ids"))
+            (
+                x2.tobytes()
+                if x2.nbytes < _SIDE_MIN
+                else _push(side, x2)
+                if side is not None and x2.strides[0] == 4
+                else _side_frame(x2, _U32, side, "Request.ids")
+            )
             if type(x2 := m.ids) is _nd and x2.dtype is _U32 and x2.ndim == 1
             else _pack(x2, _U32, side, "Request.ids")
         ),
-        m.hint,
-        m.limit,
+        x3,
+        x4,
     ]
 
 
@@ -121,19 +127,22 @@ def _dec_Request(w: _W_Request, c: _a.Cursor) -> Request:
     )
 
 
-def _fdec_Request(w: _W_Request, f: _a.Frames, k: _a.SideCounter) -> Request:
+def _fdec_Request(w: _W_Request, f: _a.Frames, i: int) -> tuple[Request, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
+    x2 = (
+        (_fb(t2, _U32) if t2 else _E_U32)
+        if type(t2 := w.ids) is bytes
+        else _fb(f[t2], _U32)
+        if t2 == i and (i := i + 1)
+        else _bail()
+    )
     return Request(
         room=w.room,
-        ids=(
-            (_fb(x2, _U32) if x2 else _E_U32)
-            if type(x2 := w.ids) is bytes
-            else _fb(f[x2], _U32)
-            if x2 == _next(k)
-            else _bail()
-        ),
+        ids=x2,
         hint=w.hint,
         limit=w.limit,
-    )
+    ), i
 
 
 def _at_Request(m: Request, v: int, old: dict[str, Any] | None = None) -> Request:
@@ -187,10 +196,10 @@ _SCALARS_Ack: tuple[_env.Scalar, ...] = (("room", "int", 0, 18446744073709551615
 
 
 def _enc_Ack(m: Ack, side: _a.SideFrames | None) -> list[Any]:
-    if not (type(m.room) is int and 0 <= m.room <= 18446744073709551615):
-        _env.refuse_scalars(m, "Ack", _SCALARS_Ack)
+    if not (type(x0 := m.room) is int and 0 <= x0 <= 18446744073709551615):
+        (x0,) = _env.refuse_scalars(m, "Ack", _SCALARS_Ack)
     return [
-        m.room,
+        x0,
     ]
 
 
@@ -200,10 +209,12 @@ def _dec_Ack(w: _W_Ack, c: _a.Cursor) -> Ack:
     )
 
 
-def _fdec_Ack(w: _W_Ack, f: _a.Frames, k: _a.SideCounter) -> Ack:
+def _fdec_Ack(w: _W_Ack, f: _a.Frames, i: int) -> tuple[Ack, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Ack(
         room=w.room,
-    )
+    ), i
 
 
 _Ack = _env.MessageSpec(

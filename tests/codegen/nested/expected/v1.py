@@ -27,7 +27,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -38,9 +38,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -80,15 +80,15 @@ _SCALARS_Span: tuple[_env.Scalar, ...] = (
 
 def _enc_Span(m: Span, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.base) is int
-        and 0 <= m.base <= 18446744073709551615
-        and type(m.length) is int
-        and 0 <= m.length <= 18446744073709551615
+        type(x0 := m.base) is int
+        and 0 <= x0 <= 18446744073709551615
+        and type(x1 := m.length) is int
+        and 0 <= x1 <= 18446744073709551615
     ):
-        _env.refuse_scalars(m, "Span", _SCALARS_Span)
+        x0, x1 = _env.refuse_scalars(m, "Span", _SCALARS_Span)
     return [
-        m.base,
-        m.length,
+        x0,
+        x1,
     ]
 
 
@@ -99,11 +99,13 @@ def _dec_Span(w: _W_Span, c: _a.Cursor) -> Span:
     )
 
 
-def _fdec_Span(w: _W_Span, f: _a.Frames, k: _a.SideCounter) -> Span:
+def _fdec_Span(w: _W_Span, f: _a.Frames, i: int) -> tuple[Span, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Span(
         base=w.base,
         length=w.length,
-    )
+    ), i
 
 
 # --- Layer -------------------------------------------------------------------------------------
@@ -126,13 +128,13 @@ _SCALARS_Layer: tuple[_env.Scalar, ...] = (("name", "str", None, None),)
 
 
 def _enc_Layer(m: Layer, side: _a.SideFrames | None) -> list[Any]:
-    if type(m.name) is not str:
-        _env.refuse_scalars(m, "Layer", _SCALARS_Layer)
+    if type(x0 := m.name) is not str:
+        (x0,) = _env.refuse_scalars(m, "Layer", _SCALARS_Layer)
     x1 = []
     for v1 in m.spans:
         x1.append(_enc_Span(v1, side))
     return [
-        m.name,
+        x0,
         x1,
     ]
 
@@ -144,14 +146,17 @@ def _dec_Layer(w: _W_Layer, c: _a.Cursor) -> Layer:
     )
 
 
-def _fdec_Layer(w: _W_Layer, f: _a.Frames, k: _a.SideCounter) -> Layer:
+def _fdec_Layer(w: _W_Layer, f: _a.Frames, i: int) -> tuple[Layer, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x1 = []
     for v1 in w.spans:
-        x1.append(_fdec_Span(v1, f, k))
+        x1_, i = _fdec_Span(v1, f, i)
+        x1.append(x1_)
     return Layer(
         name=w.name,
         spans=x1,
-    )
+    ), i
 
 
 # --- Model -------------------------------------------------------------------------------------
@@ -193,17 +198,22 @@ def _dec_Model(w: _W_Model, c: _a.Cursor) -> Model:
     )
 
 
-def _fdec_Model(w: _W_Model, f: _a.Frames, k: _a.SideCounter) -> Model:
+def _fdec_Model(w: _W_Model, f: _a.Frames, i: int) -> tuple[Model, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     x0 = []
     for v0 in w.layers:
-        x0.append(_fdec_Layer(v0, f, k))
-    x1 = _fdec_Span(w.extent, f, k)
-    x2 = None if w.scratch is None else _fdec_Span(w.scratch, f, k)
+        x0_, i = _fdec_Layer(v0, f, i)
+        x0.append(x0_)
+    x1, i = _fdec_Span(w.extent, f, i)
+    x2 = None
+    if w.scratch is not None:
+        x2, i = _fdec_Span(w.scratch, f, i)
     return Model(
         layers=x0,
         extent=x1,
         scratch=x2,
-    )
+    ), i
 
 
 _Model = _env.MessageSpec(

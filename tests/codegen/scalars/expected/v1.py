@@ -27,7 +27,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(4, __name__)
+_wc.require(5, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -38,9 +38,9 @@ _MODEL = sys.modules[__name__]  # what migration hooks build with
 # module-level aliases: the codecs call these per array, without attribute lookups
 _pack = _a.pack
 _side_frame = _a.side_frame
+_push = _a.push
 _view = _a.view
 _bail = _a.bail
-_next = next
 _nd = np.ndarray
 _fb = np.frombuffer
 _SIDE_MIN = _a.SIDE_FRAME_MIN_BYTES
@@ -103,31 +103,31 @@ _SCALARS_Sample: tuple[_env.Scalar, ...] = (
 
 def _enc_Sample(m: Sample, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(m.flag) is bool
-        and type(m.small) is int
-        and 0 <= m.small <= 255
-        and type(m.port) is int
-        and 0 <= m.port <= 65535
-        and type(m.count) is int
-        and 0 <= m.count <= 4294967295
-        and type(m.room) is int
-        and 0 <= m.room <= 18446744073709551615
-        and type(m.delta) is int
-        and -2147483648 <= m.delta <= 2147483647
-        and type(m.offset) is int
-        and -9223372036854775808 <= m.offset <= 9223372036854775807
-        and type(m.name) is str
+        type(x0 := m.flag) is bool
+        and type(x1 := m.small) is int
+        and 0 <= x1 <= 255
+        and type(x2 := m.port) is int
+        and 0 <= x2 <= 65535
+        and type(x3 := m.count) is int
+        and 0 <= x3 <= 4294967295
+        and type(x4 := m.room) is int
+        and 0 <= x4 <= 18446744073709551615
+        and type(x5 := m.delta) is int
+        and -2147483648 <= x5 <= 2147483647
+        and type(x6 := m.offset) is int
+        and -9223372036854775808 <= x6 <= 9223372036854775807
+        and type(x7 := m.name) is str
     ):
-        _env.refuse_scalars(m, "Sample", _SCALARS_Sample)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _env.refuse_scalars(m, "Sample", _SCALARS_Sample)
     return [
-        m.flag,
-        m.small,
-        m.port,
-        m.count,
-        m.room,
-        m.delta,
-        m.offset,
-        m.name,
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
+        x5,
+        x6,
+        x7,
         m.raw,
         m.opaque,
     ]
@@ -148,7 +148,9 @@ def _dec_Sample(w: _W_Sample, c: _a.Cursor) -> Sample:
     )
 
 
-def _fdec_Sample(w: _W_Sample, f: _a.Frames, k: _a.SideCounter) -> Sample:
+def _fdec_Sample(w: _W_Sample, f: _a.Frames, i: int) -> tuple[Sample, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
     return Sample(
         flag=w.flag,
         small=w.small,
@@ -160,7 +162,7 @@ def _fdec_Sample(w: _W_Sample, f: _a.Frames, k: _a.SideCounter) -> Sample:
         name=w.name,
         raw=w.raw,
         opaque=w.opaque,
-    )
+    ), i
 
 
 _Sample = _env.MessageSpec(
