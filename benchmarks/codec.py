@@ -255,7 +255,8 @@ def request_floor(req: w.TransferRequest) -> tuple[Callable[[], list[Any]], Call
     """TransferRequest's frames with only the library calls any codec of this layout must make.
 
     Encode: the header, msgspec on the body (small arrays copied in with ``tobytes``, the
-    cheapest way) and the two large arrays' buffers as side frames; decode: msgspec into the
+    cheapest way) and the two large arrays themselves as side frames (any buffer-protocol
+    object is a ZMQ frame; ``.data`` would add a memoryview per array); decode: msgspec into the
     typed body, four ``np.frombuffer`` views and the message struct. No type, dtype, order or
     frame-count checks, no dispatch: what is left when every check pdwire makes is removed.
     """
@@ -270,7 +271,7 @@ def request_floor(req: w.TransferRequest) -> tuple[Callable[[], list[Any]], Call
         fields = [m.room, m.sender, 2, m.dst_aux_index, b"", m.required_dst_info_num, m.decode_prefix_len]
         scatter = [m.scatter_offset, m.scatter_page_bytes, m.scatter_pages]
         body = encode_body([*fields, m.is_dummy, [mamba.tobytes(), swa.tobytes(), 3], *scatter])
-        return [header, body, m.dst_kv_indices.data, dsa.data]
+        return [header, body, m.dst_kv_indices, dsa]
 
     def decode(f: list[bytes]) -> object:
         b = body_decode(f[1])
@@ -349,6 +350,23 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {codec} | {e:.2f} | {d:.2f} | {both:.2f} | {fastest:.2f} | {speed:.1f}x | "
             f"{sum(len(f) for f in frames)} | {len(frames)} |"
         )
+    # the target's ratio, round by round: both rows were timed side by side in each round, so
+    # the ratio holds still while this VM's phases move every row together
+    ratios = [
+        (pe + pd) / (fe + fd)
+        for pe, pd, fe, fd in zip(
+            runs[("TransferRequest", "pdwire", "encode")],
+            runs[("TransferRequest", "pdwire", "decode")],
+            runs[("TransferRequest", "floor", "encode")],
+            runs[("TransferRequest", "floor", "decode")],
+            strict=True,
+        )
+    ]
+    q1, med, q3 = statistics.quantiles(ratios)
+    print(
+        f"\nTransferRequest enc+dec, pdwire / floor per round: median {med:.2f}x "
+        f"(quartiles {q1:.2f}-{q3:.2f}x)"
+    )
     # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
     if args.sglang:
         from codec_sglang import TABLE_HEAD  # benchmarks/ is on sys.path when run as a script

@@ -165,6 +165,9 @@ class MessageView:
     nested_at: list[tuple[FieldView, int]]  # nested fields whose messages change below a minor
     nested_trim: list[tuple[SlotView, list[str]]]  # positions holding messages that need trimming
     legacy: list[LegacyView] = field(default_factory=list)
+    # never a field of another message: its encoder runs only under the registry, whose slow
+    # path names the field of an int that msgpack itself refuses (below -2**63, above 2**64 - 1)
+    top_only: bool = False
 
     @property
     def scalars(self) -> list[FieldView]:
@@ -336,6 +339,9 @@ class _Builder:
         self.newest = self.versions[-1]
         self.migrate = {info.version: set(info.migrate) for info in p.versions}
         self.views: dict[str, MessageView] = {}
+        # messages that are a field of another, in any version (their encoders keep every bound)
+        fields = [f for m in p.messages.values() for f in m.fields]
+        self.nested = {t.name for f in fields for t in f.type.walk() if t.kind == "message"}
 
     def messages(self) -> list[Message]:
         """Messages of the major, nested ones before the messages that use them."""
@@ -403,6 +409,7 @@ class _Builder:
             steps=sorted(steps, key=lambda s: -s.minor),
             nested_at=nested_at,
             nested_trim=nested_trim,
+            top_only=m.type_id is not None and m.name not in self.nested,
         )
         for v in self.versions:
             old = self._legacy_fields(m, v)

@@ -109,7 +109,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -585,6 +585,7 @@ _Hello = _env.MessageSpec(
     from_wire=_dec_Hello,
     fast_from_wire=_fdec_Hello,
     slots=("protocol", "versions", "role", "engine_id", "geometry", "model", "capabilities"),
+    scalars=_SCALARS_Hello,
 )
 
 
@@ -926,28 +927,28 @@ def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, i: int) -> tuple[St
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x1 = (
-        (_fb(t1, _U64) if t1 else _E_U64)
+        _fb(t1, _U64)
         if type(t1 := w.base_addrs) is bytes
         else _fb(f[t1], _U64)
         if t1 == i and (i := i + 1)
         else _bail()
     )
     x2 = (
-        (_fb(t2, _U64) if t2 else _E_U64)
+        _fb(t2, _U64)
         if type(t2 := w.region_lens) is bytes
         else _fb(f[t2], _U64)
         if t2 == i and (i := i + 1)
         else _bail()
     )
     x3 = (
-        (_fb(t3, _U64) if t3 else _E_U64)
+        _fb(t3, _U64)
         if type(t3 := w.bytes_per_slot) is bytes
         else _fb(f[t3], _U64)
         if t3 == i and (i := i + 1)
         else _bail()
     )
     x4 = (
-        (_fb(t4, _U64) if t4 else _E_U64)
+        _fb(t4, _U64)
         if type(t4 := w.shard_axis_sizes) is bytes
         else _fb(f[t4], _U64)
         if t4 == i and (i := i + 1)
@@ -956,17 +957,13 @@ def _fdec_StateComponent(w: _W_StateComponent, f: _a.Frames, i: int) -> tuple[St
     x5 = []
     for v5 in w.sub_blocks:
         x5.append(
-            (_fb(v5, _U64) if v5 else _E_U64)
-            if type(v5) is bytes
-            else _fb(f[v5], _U64)
-            if v5 == i and (i := i + 1)
-            else _bail()
+            _fb(v5, _U64) if type(v5) is bytes else _fb(f[v5], _U64) if v5 == i and (i := i + 1) else _bail()
         )
     x10 = None
     if w.heads is not None:
         x10, i = _fdec_HeadSharding(w.heads, f, i)
     x11 = (
-        (_fb(t11, _U32) if t11 else _E_U32)
+        _fb(t11, _U32)
         if type(t11 := w.layer_ids) is bytes
         else _fb(f[t11], _U32)
         if t11 == i and (i := i + 1)
@@ -1171,7 +1168,7 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         and type(x6 := m.num_layers) is int
         and 0 <= x6 <= 4294967295
         and type(x11 := m.num_pages) is int
-        and 0 <= x11 <= 18446744073709551615
+        and x11 >= 0
         and type(x12 := m.page_size) is int
         and 0 <= x12 <= 4294967295
         and type(x13 := m.kv_layout) is KvLayout
@@ -1183,17 +1180,17 @@ def _enc_RegisterInfo(m: RegisterInfo, side: _a.SideFrames | None) -> list[Any]:
         and 0 <= x16 <= 4294967295
         and type(x17 := m.is_mla) is bool
         and type(x29 := m.kv_page_stride) is int
-        and 0 <= x29 <= 18446744073709551615
+        and x29 >= 0
         and type(x30 := m.k_page_offset) is int
-        and 0 <= x30 <= 18446744073709551615
+        and x30 >= 0
         and type(x31 := m.v_page_offset) is int
-        and 0 <= x31 <= 18446744073709551615
+        and x31 >= 0
         and type(x32 := m.kv_head_stride) is int
-        and 0 <= x32 <= 18446744073709551615
+        and x32 >= 0
         and type(x33 := m.scatter_base) is int
-        and 0 <= x33 <= 18446744073709551615
+        and x33 >= 0
         and type(x34 := m.scatter_len) is int
-        and 0 <= x34 <= 18446744073709551615
+        and x34 >= 0
     ):
         x0, x1, x2, x5, x6, x11, x12, x13, x14, x15, x16, x17, x29, x30, x31, x32, x33, x34 = (
             _env.refuse_scalars(m, "RegisterInfo", _SCALARS_RegisterInfo)
@@ -1365,49 +1362,49 @@ def _fdec_RegisterInfo(w: _W_RegisterInfo, f: _a.Frames, i: int) -> tuple[Regist
     message and the index after its side frames."""
     x4, i = _fdec_ParallelGeometry(w.geometry, f, i)
     x7 = (
-        (_fb(t7, _U64) if t7 else _E_U64)
+        _fb(t7, _U64)
         if type(t7 := w.k_base_addrs) is bytes
         else _fb(f[t7], _U64)
         if t7 == i and (i := i + 1)
         else _bail()
     )
     x8 = (
-        (_fb(t8, _U64) if t8 else _E_U64)
+        _fb(t8, _U64)
         if type(t8 := w.v_base_addrs) is bytes
         else _fb(f[t8], _U64)
         if t8 == i and (i := i + 1)
         else _bail()
     )
     x9 = (
-        (_fb(t9, _U64) if t9 else _E_U64)
+        _fb(t9, _U64)
         if type(t9 := w.bytes_per_page) is bytes
         else _fb(f[t9], _U64)
         if t9 == i and (i := i + 1)
         else _bail()
     )
     x10 = (
-        (_fb(t10, _U64) if t10 else _E_U64)
+        _fb(t10, _U64)
         if type(t10 := w.region_lens) is bytes
         else _fb(f[t10], _U64)
         if t10 == i and (i := i + 1)
         else _bail()
     )
     x18 = (
-        (_fb(t18, _U64) if t18 else _E_U64)
+        _fb(t18, _U64)
         if type(t18 := w.aux_base_addrs) is bytes
         else _fb(f[t18], _U64)
         if t18 == i and (i := i + 1)
         else _bail()
     )
     x19 = (
-        (_fb(t19, _U64) if t19 else _E_U64)
+        _fb(t19, _U64)
         if type(t19 := w.aux_lens) is bytes
         else _fb(f[t19], _U64)
         if t19 == i and (i := i + 1)
         else _bail()
     )
     x20 = (
-        (_fb(t20, _U64) if t20 else _E_U64)
+        _fb(t20, _U64)
         if type(t20 := w.aux_item_lens) is bytes
         else _fb(f[t20], _U64)
         if t20 == i and (i := i + 1)
@@ -1786,6 +1783,7 @@ _RegisterInfo = _env.MessageSpec(
     ),
     at=_at_RegisterInfo,
     trim=_trim_RegisterInfo,
+    scalars=_SCALARS_RegisterInfo,
     legacy={
         0: _env.Legacy(
             _enc_RegisterInfo_1_0,
@@ -1892,19 +1890,19 @@ _SCALARS_TransferRequest: tuple[_env.Scalar, ...] = (
 def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
+        and x0 >= 0
         and type(x1 := m.sender) is str
         and type(x3 := m.dst_aux_index) is int
         and -2147483648 <= x3 <= 2147483647
         and type(x5 := m.required_dst_info_num) is int
         and 0 <= x5 <= 4294967295
         and type(x6 := m.decode_prefix_len) is int
-        and 0 <= x6 <= 18446744073709551615
+        and x6 >= 0
         and type(x7 := m.is_dummy) is bool
         and type(x9 := m.scatter_offset) is int
-        and -9223372036854775808 <= x9 <= 9223372036854775807
+        and x9 <= 9223372036854775807
         and type(x10 := m.scatter_page_bytes) is int
-        and 0 <= x10 <= 18446744073709551615
+        and x10 >= 0
         and type(x11 := m.scatter_pages) is int
         and 0 <= x11 <= 4294967295
     ):
@@ -1978,7 +1976,7 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, i: int) -> tuple[
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x2 = (
-        (_fb(t2, _I32) if t2 else _E_I32)
+        _fb(t2, _I32)
         if type(t2 := w.dst_kv_indices) is bytes
         else _fb(f[t2], _I32)
         if t2 == i and (i := i + 1)
@@ -1990,7 +1988,7 @@ def _fdec_TransferRequest(w: _W_TransferRequest, f: _a.Frames, i: int) -> tuple[
             None
             if v8 is None
             else (
-                (_fb(v8, _I32) if v8 else _E_I32)
+                _fb(v8, _I32)
                 if type(v8) is bytes
                 else _fb(f[v8], _I32)
                 if v8 == i and (i := i + 1)
@@ -2129,6 +2127,7 @@ _TransferRequest = _env.MessageSpec(
     ),
     at=_at_TransferRequest,
     trim=_trim_TransferRequest,
+    scalars=_SCALARS_TransferRequest,
     legacy={
         0: _env.Legacy(
             _enc_TransferRequest_1_0,
@@ -2188,7 +2187,7 @@ _SCALARS_TransferStatus: tuple[_env.Scalar, ...] = (
 def _enc_TransferStatus(m: TransferStatus, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
+        and x0 >= 0
         and type(x1 := m.status) is Status
         and type(x2 := m.sender_rank) is int
         and 0 <= x2 <= 4294967295
@@ -2254,6 +2253,7 @@ _TransferStatus = _env.MessageSpec(
     slots=("room", "status", "sender_rank", "reason", "failure_kind"),
     at=_at_TransferStatus,
     trim=_trim_TransferStatus,
+    scalars=_SCALARS_TransferStatus,
 )
 
 
@@ -2323,7 +2323,7 @@ _SCALARS_Notification: tuple[_env.Scalar, ...] = (
 def _enc_Notification(m: Notification, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
+        and x0 >= 0
         and type(x1 := m.kind) is NotificationKind
         and type(x2 := m.chunk_id) is int
         and 0 <= x2 <= 4294967295
@@ -2392,7 +2392,7 @@ def _fdec_Notification(w: _W_Notification, f: _a.Frames, i: int) -> tuple[Notifi
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x8 = (
-        (_fb(t8, _U32) if t8 else _E_U32)
+        _fb(t8, _U32)
         if type(t8 := w.also_components) is bytes
         else _fb(f[t8], _U32)
         if t8 == i and (i := i + 1)
@@ -2457,6 +2457,7 @@ _Notification = _env.MessageSpec(
     ),
     at=_at_Notification,
     trim=_trim_Notification,
+    scalars=_SCALARS_Notification,
 )
 
 
@@ -2487,10 +2488,7 @@ _SCALARS_Abort: tuple[_env.Scalar, ...] = (
 
 def _enc_Abort(m: Abort, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
-        and type(x1 := m.sender) is str
-        and type(x2 := m.reason) is str
+        type(x0 := m.room) is int and x0 >= 0 and type(x1 := m.sender) is str and type(x2 := m.reason) is str
     ):
         x0, x1, x2 = _env.refuse_scalars(m, "Abort", _SCALARS_Abort)
     return [
@@ -2528,6 +2526,7 @@ _Abort = _env.MessageSpec(
     from_wire=_dec_Abort,
     fast_from_wire=_fdec_Abort,
     slots=("room", "sender", "reason"),
+    scalars=_SCALARS_Abort,
 )
 
 
@@ -2557,10 +2556,7 @@ _SCALARS_AbortAck: tuple[_env.Scalar, ...] = (
 
 def _enc_AbortAck(m: AbortAck, side: _a.SideFrames | None) -> list[Any]:
     if not (
-        type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
-        and type(x1 := m.sender_rank) is int
-        and 0 <= x1 <= 4294967295
+        type(x0 := m.room) is int and x0 >= 0 and type(x1 := m.sender_rank) is int and 0 <= x1 <= 4294967295
     ):
         x0, x1 = _env.refuse_scalars(m, "AbortAck", _SCALARS_AbortAck)
     return [
@@ -2595,6 +2591,7 @@ _AbortAck = _env.MessageSpec(
     from_wire=_dec_AbortAck,
     fast_from_wire=_fdec_AbortAck,
     slots=("room", "sender_rank"),
+    scalars=_SCALARS_AbortAck,
 )
 
 
@@ -2708,7 +2705,7 @@ def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, i: int) -> tuple[Register
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x4 = (
-        (_fb(t4, _U32) if t4 else _E_U32)
+        _fb(t4, _U32)
         if type(t4 := w.kv_layers) is bytes
         else _fb(f[t4], _U32)
         if t4 == i and (i := i + 1)
@@ -2717,11 +2714,7 @@ def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, i: int) -> tuple[Register
     x5 = []
     for v5 in w.state_layers:
         x5.append(
-            (_fb(v5, _U32) if v5 else _E_U32)
-            if type(v5) is bytes
-            else _fb(f[v5], _U32)
-            if v5 == i and (i := i + 1)
-            else _bail()
+            _fb(v5, _U32) if type(v5) is bytes else _fb(f[v5], _U32) if v5 == i and (i := i + 1) else _bail()
         )
     x6 = None
     if w.kv_heads is not None:
@@ -2766,6 +2759,7 @@ _RegisterAck = _env.MessageSpec(
     slots=("accepted", "sender_rank", "failure_kind", "reason", "kv_layers", "state_layers", "kv_heads"),
     at=_at_RegisterAck,
     trim=_trim_RegisterAck,
+    scalars=_SCALARS_RegisterAck,
 )
 
 

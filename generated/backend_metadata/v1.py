@@ -38,7 +38,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -298,6 +298,7 @@ _AgentMetadata = _env.MessageSpec(
     ),
     at=_at_AgentMetadata,
     trim=_trim_AgentMetadata,
+    scalars=_SCALARS_AgentMetadata,
 )
 
 

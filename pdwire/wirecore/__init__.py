@@ -14,12 +14,14 @@ runtime-version check). Bump :data:`API_VERSION` with any change generated code 
 
 from __future__ import annotations
 
-API_VERSION = 5
+API_VERSION = 6
 """The contract between generated code and this library (3: positional decoders read ASCII
 decimals with ``frame_encodings.read_int*``; 4: encoders hand large arrays to
 ``arrays.side_frame(arr, dtype, side, where)``, which makes the array itself the frame;
 5: fast decoders take the next side frame's index and return ``(message, index after)``,
-and ``envelope.refuse_scalars`` returns the values it accepted)."""
+and ``envelope.refuse_scalars`` returns the values it accepted; 6: a top-level message's
+``MessageSpec.scalars`` lets the encode slow path name a 64-bit field whose bound the encoder
+left to msgpack's own range)."""
 
 
 def require(version: int, module: str) -> None:

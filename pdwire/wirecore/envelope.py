@@ -77,6 +77,8 @@ class MessageSpec(NamedTuple):
     at: Callable[[Any, int], Any] | None = None  # the message as minor v carries it
     trim: Callable[[list[Any], int], Any] | None = None  # cut a newest body to minor v
     legacy: Mapping[int, Legacy] = {}
+    # the scalar fields whose 64-bit bounds the encoder leaves to msgpack (see encode_with)
+    scalars: Sequence[Scalar] = ()
 
 
 class MessageCodec(NamedTuple):
@@ -95,6 +97,7 @@ class MessageCodec(NamedTuple):
     slots: tuple[str, ...]
     headers: tuple[bytes, ...]  # header frame by side-frame count, for the first HEADERS_CACHED counts
     lone_cursor: Cursor  # shared by messages without side frames (never mutated: any reference fails)
+    scalars: Sequence[Scalar] = ()  # what names a field whose int msgpack refused
 
     @property
     def header(self) -> bytes:
@@ -124,6 +127,7 @@ def codec(
     fast_from_wire: FastFromWire | None,
     slots: tuple[str, ...],
     after: Step | None = None,
+    scalars: Sequence[Scalar] = (),
 ) -> MessageCodec:
     """A :class:`MessageCodec` with its precomputed header frames."""
     headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
@@ -142,6 +146,7 @@ def codec(
         slots,
         headers,
         lone,
+        scalars,
     )
 
 
@@ -204,6 +209,7 @@ def major_codecs(
                     from_wire=legacy.from_wire,
                     fast_from_wire=None,
                     slots=legacy.slots,
+                    scalars=s.scalars,
                 )
                 continue
             table[s.type_id] = codec(
@@ -218,6 +224,7 @@ def major_codecs(
                 fast_from_wire=s.fast_from_wire,
                 after=None if v == newest else _older_check(s, v, version),
                 slots=s.slots,
+                scalars=s.scalars,
             )
         out[version] = table
     return out
@@ -321,6 +328,14 @@ def _scalar_problem(value: Any, kind: str, lo: Any, hi: Any) -> str | None:
 _encode = msgspec.msgpack.Encoder().encode
 
 
+def _refused(mc: MessageCodec, msg: Any, exc: Exception) -> EncodeError:
+    """The error for a value msgspec or numpy refused. A top-level encoder leaves the 64-bit
+    bounds msgpack shares to msgspec's OverflowError: the scalar table names the field."""
+    if isinstance(exc, OverflowError) and mc.scalars:
+        refuse_scalars(msg, mc.name, mc.scalars)  # raises, naming the field out of range
+    return EncodeError(f"cannot encode: {exc}", message=mc.name)
+
+
 def encode_with(mc: MessageCodec, msg: Any) -> list[SideFrame]:
     side: SideFrames = []
     try:
@@ -328,7 +343,7 @@ def encode_with(mc: MessageCodec, msg: Any) -> list[SideFrame]:
     except WireError:
         raise
     except Exception as exc:  # msgspec/numpy refuse a wrongly typed value
-        raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
+        raise _refused(mc, msg, exc) from None
     n = len(side)
     if not n:
         return [mc.headers[0], body]
@@ -346,7 +361,7 @@ def encode_bytes_with(mc: MessageCodec, msg: Any) -> bytes:
     except WireError:
         raise
     except Exception as exc:
-        raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
+        raise _refused(mc, msg, exc) from None
     return mc.headers[0] + body
 
 
@@ -434,6 +449,36 @@ def _version_arg(version: Any) -> Version:
     raise EncodeError(f"version must be a (major, minor) tuple of ints or a Version, got {version!r}{hint}")
 
 
+def _fast_decoder(
+    by_header: Mapping[bytes, _Entry], checked: Callable[[Any], tuple[Any, Version]]
+) -> Callable[[Frames], Any]:
+    """A registry's ``decode``: a closure over its header table, so the common case reads locals
+    (no bound method, no attribute lookups on the registry).
+
+    The common case runs in this one frame: a ``bytes`` header this build writes itself (one
+    dict lookup on its bytes checks magic, protocol, version, type and side-frame count at
+    once) and the generated decoder without checks of its own. Any surprise falls through to
+    ``checked``, which repeats the work and raises the classified error; decoding has no side
+    effects, so repeating it is safe.
+    """
+    lookup = by_header.get
+
+    def decode(frames: Frames) -> Any:
+        if type(frames) is list:
+            try:  # a header that is not bytes finds no entry or is unhashable
+                entry = lookup(frames[0])
+                if entry is not None:
+                    body, fast, count, after, _ = entry
+                    msg, end = fast(body(frames[1]), frames, 2)
+                    if end == count == len(frames):  # every side frame referenced, and no more
+                        return msg if after is None else after(msg)
+            except Exception:
+                pass
+        return checked(frames)[0]
+
+    return decode
+
+
 class Registry:
     """All versions of one protocol: dispatch, older minors, down-conversion.
 
@@ -473,6 +518,8 @@ class Registry:
                     continue
                 for k, header in enumerate(mc.headers):
                     self.by_header[header] = (mc.decoder.decode, mc.fast_from_wire, k + 2, mc.after, v)
+        self.decode: Callable[[Frames], Any] = _fast_decoder(self.by_header, self._checked)
+        """Decode multipart frames into the model of their major (see :func:`_fast_decoder`)."""
 
     # --- down-conversion ------------------------------------------------------------------
     def target(self, msg: Any, version: Any) -> MessageCodec:
@@ -499,13 +546,7 @@ class Registry:
 
     def check(self, msg: Any, version: Any) -> None:
         """Raise :class:`DowngradeError` unless ``msg`` can be sent at ``version`` as it is."""
-        mc = self.target(msg, version)
-        try:
-            mc.to_wire(msg, [])
-        except WireError:
-            raise
-        except Exception as exc:
-            raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
+        encode_with(self.target(msg, version), msg)  # msgpack's own range checks included
 
     # --- public codec ----------------------------------------------------------------------
     def encode(self, msg: Any, version: Any = None) -> list[SideFrame]:
@@ -544,27 +585,6 @@ class Registry:
             except Exception:
                 pass
         return None
-
-    def decode(self, frames: Frames) -> Any:
-        """Decode multipart frames into the model of their major.
-
-        The common case runs in this one frame: a ``bytes`` header this build writes itself
-        (one dict lookup on its bytes checks magic, protocol, version, type and side-frame
-        count at once) and the generated decoder without checks of its own. Any surprise
-        falls through to the checked path, which repeats the work and raises the classified
-        error; decoding has no side effects, so repeating it is safe.
-        """
-        if type(frames) is list:
-            try:  # a header that is not bytes finds no entry or is unhashable
-                entry = self.by_header.get(frames[0])
-                if entry is not None:
-                    body, fast, count, after, _ = entry
-                    msg, end = fast(body(frames[1]), frames, 2)
-                    if end == count == len(frames):  # every side frame referenced, and no more
-                        return msg if after is None else after(msg)
-            except Exception:
-                pass
-        return self._checked(frames)[0]
 
     def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
         """Decode to the model of the frames' major; also return the version the sender wrote."""

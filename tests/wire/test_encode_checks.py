@@ -48,6 +48,34 @@ def test_values_outside_a_fields_type_are_refused_by_the_sender(msg: Any, where:
         assert str(info.value).startswith(f"{where}: ") and problem in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "older", "problem"),
+    [
+        ("room", 2**64, (1, 0), f"{2**64} is outside [0, {2**64 - 1}]"),
+        ("room", -1, (1, 1), "-1 is outside"),
+        ("decode_prefix_len", 2**70, (1, 3), "is outside [0, "),
+        ("scatter_offset", -(2**63) - 1, (1, 8), f"{-(2**63) - 1} is outside [{-(2**63)}, {2**63 - 1}]"),
+        ("scatter_offset", 2**63, (1, 8), f"{2**63} is outside"),  # msgpack would carry it as a u64
+    ],
+)
+def test_64_bit_fields_are_refused_past_their_type_at_every_entry_point(
+    field: str, value: int, older: tuple[int, int], problem: str
+) -> None:
+    # A top-level encoder leaves the bound msgpack shares (u64's upper, i64's lower) to msgspec:
+    # its OverflowError must still come back as the field's own EncodeError, on every path.
+    msg = w.TransferRequest(**{"room": 1, "sender": "d", "dst_kv_indices": np.int32([3]), field: value})
+    for encode in (
+        w.encode,
+        w.encode_bytes,
+        lambda m: w.encode(m, older),
+        lambda m: w.check_sendable(m, w.REGISTRY.newest),
+    ):
+        with pytest.raises(w.EncodeError) as info:
+            encode(msg)
+        assert str(info.value).startswith(f"TransferRequest.{field}: "), str(info.value)
+        assert problem in str(info.value), str(info.value)
+
+
 def test_nested_values_are_checked_too() -> None:
     geometry = w.ParallelGeometry(tp_size=-2)
     hello = w.Hello(

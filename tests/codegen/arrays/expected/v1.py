@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -87,7 +87,7 @@ _SCALARS_Pages: tuple[_env.Scalar, ...] = (("room", "int", 0, 184467440737095516
 
 
 def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
-    if not (type(x0 := m.room) is int and 0 <= x0 <= 18446744073709551615):
+    if not (type(x0 := m.room) is int and x0 >= 0):
         (x0,) = _env.refuse_scalars(m, "Pages", _SCALARS_Pages)
     x1 = (
         (
@@ -179,21 +179,21 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, i: int) -> tuple[Pages, int]:
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x1 = (
-        (_fb(t1, _I32) if t1 else _E_I32)
+        _fb(t1, _I32)
         if type(t1 := w.pages) is bytes
         else _fb(f[t1], _I32)
         if t1 == i and (i := i + 1)
         else _bail()
     )
     x2 = (
-        (_fb(t2, _U32) if t2 else _E_U32)
+        _fb(t2, _U32)
         if type(t2 := w.ranks) is bytes
         else _fb(f[t2], _U32)
         if t2 == i and (i := i + 1)
         else _bail()
     )
     x3 = (
-        (_fb(t3, _U64) if t3 else _E_U64)
+        _fb(t3, _U64)
         if type(t3 := w.addresses) is bytes
         else _fb(f[t3], _U64)
         if t3 == i and (i := i + 1)
@@ -202,11 +202,7 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, i: int) -> tuple[Pages, int]:
     x4 = []
     for v4 in w.per_layer:
         x4.append(
-            (_fb(v4, _U32) if v4 else _E_U32)
-            if type(v4) is bytes
-            else _fb(f[v4], _U32)
-            if v4 == i and (i := i + 1)
-            else _bail()
+            _fb(v4, _U32) if type(v4) is bytes else _fb(f[v4], _U32) if v4 == i and (i := i + 1) else _bail()
         )
     x5 = []
     for v5 in w.maybe:
@@ -214,7 +210,7 @@ def _fdec_Pages(w: _W_Pages, f: _a.Frames, i: int) -> tuple[Pages, int]:
             None
             if v5 is None
             else (
-                (_fb(v5, _I32) if v5 else _E_I32)
+                _fb(v5, _I32)
                 if type(v5) is bytes
                 else _fb(f[v5], _I32)
                 if v5 == i and (i := i + 1)
@@ -242,6 +238,7 @@ _Pages = _env.MessageSpec(
     from_wire=_dec_Pages,
     fast_from_wire=_fdec_Pages,
     slots=("room", "pages", "ranks", "addresses", "per_layer", "maybe", "tags"),
+    scalars=_SCALARS_Pages,
 )
 
 

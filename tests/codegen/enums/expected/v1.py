@@ -27,7 +27,7 @@ from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -154,6 +154,7 @@ _Paint = _env.MessageSpec(
     fast_from_wire=_fdec_Paint,
     slots=("color", "trim", "palette", "accent"),
     at=_at_Paint,
+    scalars=_SCALARS_Paint,
 )
 
 

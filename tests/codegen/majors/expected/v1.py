@@ -27,7 +27,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -166,6 +166,7 @@ _Hello = _env.MessageSpec(
     from_wire=_dec_Hello,
     fast_from_wire=_fdec_Hello,
     slots=("protocol", "versions"),
+    scalars=_SCALARS_Hello,
 )
 
 
@@ -198,7 +199,7 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
 def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
+        and x0 >= 0
         and type(x1 := m.legacy) is int
         and 0 <= x1 <= 4294967295
         and type(x2 := m.epoch) is int
@@ -256,6 +257,7 @@ _Request = _env.MessageSpec(
     slots=("room", "legacy", "epoch"),
     at=_at_Request,
     trim=_trim_Request,
+    scalars=_SCALARS_Request,
 )
 
 

@@ -28,7 +28,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2)
@@ -92,7 +92,7 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
 def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
-        and 0 <= x0 <= 18446744073709551615
+        and x0 >= 0
         and type(x3 := m.hint) is str
         and type(x4 := m.limit) is int
         and 0 <= x4 <= 4294967295
@@ -131,7 +131,7 @@ def _fdec_Request(w: _W_Request, f: _a.Frames, i: int) -> tuple[Request, int]:
     """The fast decoder: ``i`` is the side frame the next array must reference; returns the
     message and the index after its side frames."""
     x2 = (
-        (_fb(t2, _U32) if t2 else _E_U32)
+        _fb(t2, _U32)
         if type(t2 := w.ids) is bytes
         else _fb(f[t2], _U32)
         if t2 == i and (i := i + 1)
@@ -174,6 +174,7 @@ _Request = _env.MessageSpec(
     slots=("room", "reserved_1", "ids", "hint", "limit"),
     at=_at_Request,
     trim=_trim_Request,
+    scalars=_SCALARS_Request,
 )
 
 
@@ -196,7 +197,7 @@ _SCALARS_Ack: tuple[_env.Scalar, ...] = (("room", "int", 0, 18446744073709551615
 
 
 def _enc_Ack(m: Ack, side: _a.SideFrames | None) -> list[Any]:
-    if not (type(x0 := m.room) is int and 0 <= x0 <= 18446744073709551615):
+    if not (type(x0 := m.room) is int and x0 >= 0):
         (x0,) = _env.refuse_scalars(m, "Ack", _SCALARS_Ack)
     return [
         x0,
@@ -227,6 +228,7 @@ _Ack = _env.MessageSpec(
     from_wire=_dec_Ack,
     fast_from_wire=_fdec_Ack,
     slots=("room",),
+    scalars=_SCALARS_Ack,
 )
 
 

@@ -27,7 +27,7 @@ from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(5, __name__)
+_wc.require(6, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -111,11 +111,11 @@ def _enc_Sample(m: Sample, side: _a.SideFrames | None) -> list[Any]:
         and type(x3 := m.count) is int
         and 0 <= x3 <= 4294967295
         and type(x4 := m.room) is int
-        and 0 <= x4 <= 18446744073709551615
+        and x4 >= 0
         and type(x5 := m.delta) is int
         and -2147483648 <= x5 <= 2147483647
         and type(x6 := m.offset) is int
-        and -9223372036854775808 <= x6 <= 9223372036854775807
+        and x6 <= 9223372036854775807
         and type(x7 := m.name) is str
     ):
         x0, x1, x2, x3, x4, x5, x6, x7 = _env.refuse_scalars(m, "Sample", _SCALARS_Sample)
@@ -175,6 +175,7 @@ _Sample = _env.MessageSpec(
     from_wire=_dec_Sample,
     fast_from_wire=_fdec_Sample,
     slots=("flag", "small", "port", "count", "room", "delta", "offset", "name", "raw", "opaque"),
+    scalars=_SCALARS_Sample,
 )
 
 
