@@ -1,0 +1,158 @@
+"""The compiled encoder of flat messages (pdwire.wirecore.flat) against the generated Python
+encoder it stands in for: the same body and side frames for every message the strategies draw,
+and for every odd value either the same result or FlatBail (the registry then runs the Python
+encoder, which converts or names what is wrong). Never a different body, never a value the
+Python encoder would refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pdwire.wire as w
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pdwire.wire import strategies as S
+
+from pdwire.wirecore import envelope, flat
+from pdwire.wirecore.arrays import SIDE_FRAME_MIN_BYTES
+
+NEWEST = w.REGISTRY.newest
+FLAT = {name: mc for name, mc in ((mc.name, mc) for mc in w.REGISTRY.by_class.values()) if mc.flat}
+
+
+def test_this_install_built_the_compiled_encoder() -> None:
+    # setup.py builds it as optional (an install without a C compiler still works, slower):
+    # on the machines CI and the README's set-up run on, a missing build is a failure
+    assert flat.AVAILABLE, "pdwire.wirecore._flatenc was not built: install gcc, then reinstall pdwire"
+    assert {"TransferRequest", "TransferStatus", "Notification", "Abort", "AbortAck"} <= set(FLAT)
+
+
+def _compiled(mc: envelope.MessageCodec) -> Any:
+    enc = flat.encoder(mc.cls, mc.flat)
+    assert enc is not None
+    return enc
+
+
+def _both(mc: envelope.MessageCodec, msg: Any, side: list[Any] | None) -> tuple[Any, Any]:
+    """(compiled, python) results: the body and side frames, or the exception's type."""
+    out = []
+    for enc in (_compiled(mc), mc.to_wire):
+        frames: list[Any] | None = None if side is None else []
+        try:
+            out.append((enc(msg, frames), frames))
+        except Exception as exc:
+            out.append(type(exc))
+    return out[0], out[1]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return a is b  # a side frame is the caller's array itself, on both paths
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", sorted(FLAT))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_compiled_encoder_writes_what_the_python_encoder_writes(name: str, data: st.DataObject) -> None:
+    mc = FLAT[name]
+    msg = data.draw(S.STRATEGIES[NEWEST][name]())
+    for side in ([], None):
+        compiled, python = _both(mc, msg, side)
+        if compiled is flat._flatenc.FlatBail:
+            # only where the Python encoder takes a path the compiled one leaves to it: a large
+            # array with no side list (the single-buffer form)
+            assert side is None, python
+            continue
+        assert _same(compiled, python), (compiled, python)
+    assert [bytes(f) for f in w.encode(msg)] == [bytes(f) for f in envelope.encode_with(mc, msg)]
+
+
+def _odd_values(kind: str) -> list[Any]:
+    large = np.arange(SIDE_FRAME_MIN_BYTES, dtype=np.int32)
+    arrays = [
+        [1, 2, 3],  # a list: the Python encoder converts it
+        np.arange(6, dtype=np.int32).reshape(2, 3),  # 2-D
+        np.arange(8, dtype=np.int32)[::2],  # strided, small
+        np.arange(2 * SIDE_FRAME_MIN_BYTES, dtype=np.int32)[::2],  # strided, large
+        large.astype(np.int64),
+        large.astype(np.uint32),
+        large.astype(">i4"),  # another byte order
+        np.ma.masked_array(large),  # a subclass
+        large,
+        np.arange(3, dtype=np.int32),
+        np.arange(3, dtype=np.uint64),
+        np.arange(3, dtype=np.uint32),
+        None,
+    ]
+    ints = [2**64, 2**64 - 1, 2**63, -(2**63) - 1, -1, 0, 7]
+    scalars = [True, False, 1.0, np.int64(3), *ints, None, "x", b"x"]
+    if kind in ("array", "array_list"):
+        return [*arrays, (large,), [large, None, [1]], [None], []] if kind == "array_list" else arrays
+    return [*scalars, w.Status.SUCCESS, 4, w.NotificationKind.KV, type("S", (str,), {})("s")]
+
+
+@pytest.mark.parametrize("name", sorted(FLAT))
+def test_an_odd_value_is_written_the_same_way_or_left_to_the_python_encoder(name: str) -> None:
+    mc = FLAT[name]
+    base = _minimal(name)
+    checked = 0
+    for kind, field, *_ in mc.flat or ():
+        if field is None:
+            continue
+        for value in _odd_values(kind):
+            msg = msgspec.structs.replace(base, **{field: value})
+            for side in ([], None):
+                compiled, python = _both(mc, msg, side)
+                if compiled is flat._flatenc.FlatBail:
+                    continue  # the registry runs the Python encoder: whatever it does is the answer
+                checked += 1
+                assert _same(compiled, python), (field, value, compiled, python)
+    assert checked  # the common values went through the compiled encoder
+
+
+def _minimal(name: str) -> Any:
+    kv = np.arange(4, dtype=np.int32)
+    return {
+        "TransferRequest": w.TransferRequest(room=1, sender="d", dst_kv_indices=kv),
+        "TransferStatus": w.TransferStatus(room=1, status=w.Status.SUCCESS, sender_rank=0),
+        "Notification": w.Notification(room=1, kind=w.NotificationKind.KV),
+        "Abort": w.Abort(room=1, sender="d"),
+        "AbortAck": w.AbortAck(room=1),
+    }[name]
+
+
+def test_an_odd_value_still_gets_the_python_encoders_answer_through_the_registry() -> None:
+    # an int naming an enum value: the compiled encoder leaves it, the Python one accepts it
+    msg = w.TransferStatus(room=1, status=4, sender_rank=0)  # type: ignore[arg-type]
+    assert w.decode(w.encode(msg)).status is w.Status.SUCCESS
+    # a list for an array: converted by the Python encoder
+    req = w.TransferRequest(room=1, sender="d", dst_kv_indices=[1, 2, 3])  # type: ignore[arg-type]
+    assert w.decode(w.encode(req)).dst_kv_indices.tolist() == [1, 2, 3]
+    # a value outside its type: named by the Python encoder
+    with pytest.raises(w.EncodeError, match=r"^TransferRequest\.room: "):
+        w.encode(w.TransferRequest(room=2**64, sender="d", dst_kv_indices=np.int32([1])))
+
+
+def test_the_compiled_encoder_refuses_a_table_that_does_not_fit_its_class() -> None:
+    with pytest.raises(TypeError, match="nosuch"):
+        flat.encoder(w.Abort, [("int", "nosuch", False, None, 0, 1)])
+    with pytest.raises(TypeError, match="numpy dtype"):
+        flat.encoder(w.Abort, [("array", "sender", False, None, 0, 0)])
+    with pytest.raises(ValueError, match="unknown slot kind"):
+        flat.encoder(w.Abort, [("float", "room", False, None, 0, 0)])
+    enc = flat.encoder(w.Abort, [("int", "room", False, None, 0, 9)])
+    with pytest.raises(flat._flatenc.FlatBail):
+        enc(w.AbortAck(room=1), [])  # another class: its slots are elsewhere
+
+
+def test_pure_python_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDWIRE_PURE_PYTHON", "1")
+    assert flat.encoder(w.Abort, FLAT["Abort"].flat) is None
+    monkeypatch.setenv("PDWIRE_PURE_PYTHON", "0")
+    assert flat.encoder(w.Abort, FLAT["Abort"].flat) is not None
