@@ -93,16 +93,40 @@ encode_array(PyObject *v, const Slot *s, PyObject *side, Py_ssize_t side_min)
     return PyLong_FromSsize_t(PyList_GET_SIZE(side) + 1); /* frames 0 and 1: header and body */
 }
 
+/* A list of (optional) arrays, item by item. The list is held for the whole loop, and its
+ * length checked again after the allocation: PyList_New may run the collector, whose
+ * finalizers may change the message. */
 static PyObject *
-encode_slot(FlatEncoder *self, const Slot *s, PyObject *msg, PyObject *side)
+encode_array_list(PyObject *v, const Slot *s, PyObject *side, Py_ssize_t side_min)
 {
-    if (s->kind == K_CONST) {
-        return Py_NewRef(s->obj);
+    if (!PyList_CheckExact(v)) {
+        return bail("not a list");
     }
-    PyObject *v = *(PyObject **)((char *)msg + s->offset);
-    if (v == NULL) {
-        return bail("unset field");
+    Py_ssize_t n = PyList_GET_SIZE(v);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
     }
+    if (PyList_GET_SIZE(v) != n) {
+        Py_DECREF(out);
+        return bail("list changed");
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = Py_NewRef(PyList_GET_ITEM(v, i));
+        PyObject *x = e == Py_None && s->optional ? Py_NewRef(e) : encode_array(e, s, side, side_min);
+        Py_DECREF(e);
+        if (x == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+static PyObject *
+encode_value(FlatEncoder *self, const Slot *s, PyObject *v, PyObject *side)
+{
     if (v == Py_None && s->optional && s->kind != K_ARRAY_LIST) {
         return Py_NewRef(v);
     }
@@ -131,28 +155,27 @@ encode_slot(FlatEncoder *self, const Slot *s, PyObject *msg, PyObject *side)
         return bail("type");
     case K_ARRAY:
         return encode_array(v, s, side, self->side_min);
-    case K_ARRAY_LIST: {
-        if (!PyList_CheckExact(v)) {
-            return bail("not a list");
-        }
-        Py_ssize_t n = PyList_GET_SIZE(v);
-        PyObject *out = PyList_New(n);
-        if (out == NULL) {
-            return NULL;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *e = PyList_GET_ITEM(v, i);
-            PyObject *x = e == Py_None && s->optional ? Py_NewRef(e) : encode_array(e, s, side, self->side_min);
-            if (x == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyList_SET_ITEM(out, i, x);
-        }
-        return out;
-    }
+    case K_ARRAY_LIST:
+        return encode_array_list(v, s, side, self->side_min);
     }
     return bail("kind");
+}
+
+static PyObject *
+encode_slot(FlatEncoder *self, const Slot *s, PyObject *msg, PyObject *side)
+{
+    if (s->kind == K_CONST) {
+        /* a fresh list where the placeholder is one, as the Python encoder's literal is */
+        return PyList_CheckExact(s->obj) ? PySequence_List(s->obj) : Py_NewRef(s->obj);
+    }
+    PyObject *v = *(PyObject **)((char *)msg + s->offset);
+    if (v == NULL) {
+        return bail("unset field");
+    }
+    Py_INCREF(v); /* held while encoding: nothing the encoding runs may free it */
+    PyObject *out = encode_value(self, s, v, side);
+    Py_DECREF(v);
+    return out;
 }
 
 static PyObject *

@@ -10,8 +10,9 @@ converts what it can and names what is wrong. The Python encoders stay the refer
 older minor, the single-buffer form and every error go through them, and the differential
 tests (tests/wire/test_flat_encoder.py) hold the two to the same bytes.
 
-Set ``PDWIRE_PURE_PYTHON=1`` to encode with the Python encoders only; where the extension was
-not built (no C compiler at install), that is what happens anyway.
+Set ``PDWIRE_PURE_PYTHON=1`` before importing ``pdwire.wire`` (the registry picks its encoders
+when it is built) to encode with the Python encoders only; where the extension was not built
+(no C compiler at install), that is what happens anyway.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ except ImportError:  # built without a C compiler: the Python encoders do all th
     _flatenc = None  # type: ignore[assignment]
 
 # (kind, field name or None, optional, dtype / type / constant or None, lo, hi): what
-# _flatenc.FlatEncoder reads; kinds "const", "int", "bool", "str", "type", "array", "array_list"
+# _flatenc.FlatEncoder reads; kinds "const", "int", "bool", "str", "type", "array",
+# "array_list", "any" (passed as it is, as the Python encoder passes bytes and lists of scalars)
 FlatSlot = tuple[str, str | None, bool, Any, int, int]
 
 AVAILABLE = _flatenc is not None

@@ -6,6 +6,9 @@ Python encoder would refuse."""
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+import sys
 from typing import Any
 
 import msgspec
@@ -21,6 +24,9 @@ from pdwire.wirecore.arrays import SIDE_FRAME_MIN_BYTES
 
 NEWEST = w.REGISTRY.newest
 FLAT = {name: mc for name, mc in ((mc.name, mc) for mc in w.REGISTRY.by_class.values()) if mc.flat}
+# the generator's fixture packages: every table kind the product schema does not use (u64 arrays,
+# lists of arrays without None, the `any` kind, optional enums, other placeholders)
+FIXTURES = ("scalars", "arrays", "enums", "minors", "majors")
 
 
 def test_this_install_built_the_compiled_encoder() -> None:
@@ -71,6 +77,42 @@ def test_the_compiled_encoder_writes_what_the_python_encoder_writes(name: str, d
             continue
         assert _same(compiled, python), (compiled, python)
     assert [bytes(f) for f in w.encode(msg)] == [bytes(f) for f in envelope.encode_with(mc, msg)]
+
+
+def _fixture_codecs() -> list[tuple[str, Any, envelope.MessageCodec]]:
+    out = []
+    for case in FIXTURES:
+        pkg = importlib.import_module(f"tests.codegen.{case}.expected")
+        strategies = importlib.import_module(f"tests.codegen.{case}.expected.strategies").STRATEGIES
+        for cls, mc in pkg.REGISTRY.by_class.items():
+            if mc.flat:
+                out.append((f"{case}.{cls.__name__}", strategies[mc.version][mc.name], mc))
+    return out
+
+
+FIXTURE_CODECS = _fixture_codecs()
+
+
+def test_the_fixtures_cover_every_table_kind() -> None:
+    kinds = {(e[0], e[2]) for _, _, mc in FIXTURE_CODECS for e in mc.flat or ()}
+    kinds |= {(e[0], e[2]) for mc in FLAT.values() for e in mc.flat or ()}
+    for kind in ("const", "int", "bool", "str", "type", "array", "array_list", "any"):
+        assert (kind, False) in kinds, kind
+    assert {("type", True), ("array_list", True)} <= kinds
+
+
+@pytest.mark.parametrize("case", [name for name, _, _ in FIXTURE_CODECS])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_fixture_messages_encode_the_same_on_both_paths(case: str, data: st.DataObject) -> None:
+    _, strategy, mc = next(x for x in FIXTURE_CODECS if x[0] == case)
+    msg = data.draw(strategy())
+    for side in ([], None):
+        compiled, python = _both(mc, msg, side)
+        if compiled is flat._flatenc.FlatBail:
+            assert side is None, python
+            continue
+        assert _same(compiled, python), (compiled, python)
 
 
 def _odd_values(kind: str) -> list[Any]:
@@ -137,6 +179,79 @@ def test_an_odd_value_still_gets_the_python_encoders_answer_through_the_registry
     # a value outside its type: named by the Python encoder
     with pytest.raises(w.EncodeError, match=r"^TransferRequest\.room: "):
         w.encode(w.TransferRequest(room=2**64, sender="d", dst_kv_indices=np.int32([1])))
+
+
+def test_encoding_takes_and_gives_back_every_reference() -> None:
+    mc = FLAT["TransferRequest"]
+    enc = _compiled(mc)
+    large = np.arange(SIDE_FRAME_MIN_BYTES, dtype=np.int32)
+    small = np.arange(3, dtype=np.int32)
+    ok = w.TransferRequest(room=2**63, sender="d", dst_kv_indices=large, state_indices=[small, None, large])
+    # a tuple where a list goes: the compiled encoder bails after pushing dst_kv_indices, the
+    # Python one iterates it
+    bails = msgspec.structs.replace(ok, state_indices=(small, None, large))
+    watched = (large, small, ok.sender, ok.state_indices, ok.room)
+    before = [sys.getrefcount(x) for x in watched]
+    for _ in range(2000):
+        enc(ok, [])
+        with pytest.raises(flat._flatenc.FlatBail):
+            enc(ok, None)  # a large array and no side frames
+        with pytest.raises(flat._flatenc.FlatBail):
+            enc(bails, [])
+        assert len(w.encode(bails)) == 4  # the registry: the compiled encoder bails, Python runs
+    assert [sys.getrefcount(x) for x in watched] == before
+
+
+_REPLACED_MID_ENCODING = """
+import gc
+import numpy as np
+import pdwire.wire as w
+from pdwire.wirecore import flat
+
+mc = w.REGISTRY.by_class[w.TransferRequest]
+enc = flat.encoder(mc.cls, mc.flat)
+m = w.TransferRequest(room=1, sender="d", dst_kv_indices=np.arange(3, dtype=np.int32),
+                      state_indices=[np.arange(5, dtype=np.int32) + 1 for _ in range(4)])
+
+class Replaces:
+    def __del__(self):
+        m.state_indices = []  # frees the list being encoded, and its arrays, unless held
+
+def cyclic_garbage():
+    x = Replaces()
+    x.self = x
+
+side = []
+keep = [[] for _ in range(200)]  # empty the list free list ...
+gc.disable()
+cyclic_garbage()
+one = keep.pop()
+del one  # ... but for one list, which the body takes: the inner PyList_New must allocate
+gc.set_threshold(1)
+gc.enable()
+body = enc(m, side)  # the collector runs inside the encoder and the finalizer replaces the list
+gc.set_threshold(700)
+# read before the finalizer ran, or after it (the list then already replaced): never in between
+assert m.state_indices == [] and (len(body[8]) == 4 or body[8] == []), body
+print("ok")
+"""
+
+
+def test_a_finalizer_that_changes_the_message_mid_encoding_cannot_free_what_is_read() -> None:
+    # The collector may run inside the compiled encoder's allocations, and a finalizer may
+    # replace the list being encoded: the encoder holds it (an earlier build read freed memory
+    # here and crashed). A fresh interpreter, so that the free lists are as the script sets them.
+    run = subprocess.run(
+        [sys.executable, "-c", _REPLACED_MID_ENCODING], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
+def test_a_list_placeholder_is_a_fresh_list_each_time() -> None:
+    enc = flat.encoder(w.Abort, [("const", None, False, [], 0, 0), ("int", "room", False, None, 0, 9)])
+    assert enc is not None
+    a, b = enc(w.Abort(room=1, sender="d"), []), enc(w.Abort(room=1, sender="d"), [])
+    assert a == b == [[], 1] and a[0] is not b[0]
 
 
 def test_the_compiled_encoder_refuses_a_table_that_does_not_fit_its_class() -> None:
