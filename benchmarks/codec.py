@@ -362,11 +362,12 @@ def main(argv: list[str] | None = None) -> int:
             strict=True,
         )
     ]
-    q1, med, q3 = statistics.quantiles(ratios)
-    print(
-        f"\nTransferRequest enc+dec, pdwire / floor per round: median {med:.2f}x "
-        f"(quartiles {q1:.2f}-{q3:.2f}x)"
-    )
+    spread = ""
+    if len(ratios) > 1:
+        q1, _, q3 = statistics.quantiles(ratios)
+        spread = f" (quartiles {q1:.2f}-{q3:.2f}x)"
+    median = statistics.median(ratios)
+    print(f"\nTransferRequest enc+dec, pdwire / floor per round: median {median:.2f}x{spread}")
     # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
     if args.sglang:
         from codec_sglang import TABLE_HEAD  # benchmarks/ is on sys.path when run as a script

@@ -50,3 +50,5 @@ def test_codec_benchmark_prints_every_row_with_the_sglang_table() -> None:
         "sglang NixlStatus",
     }
     assert {codec for _, codec in rows[5:]} == {"pdwire", "hand-written"}
+    ratio = [line for line in lines if line.startswith("TransferRequest enc+dec, pdwire / floor per round: ")]
+    assert len(ratio) == 1 and ratio[0].endswith("x"), ratio
