@@ -131,49 +131,6 @@ class SlotView:
 
 
 @dataclass(frozen=True)
-class FlatSlotView:
-    """One position of a flat message's table for the compiled encoder (wirecore.flat):
-    ``value`` is a Python expression (dtype constant, enum class, placeholder literal)."""
-
-    kind: str  # const, int, bool, str, type, array, array_list, any
-    name: str | None
-    optional: bool
-    value: str
-    lo: int = 0
-    hi: int = 0
-
-
-def flat_slot(s: SlotView) -> FlatSlotView | None:
-    """How the compiled encoder writes position ``s``, as the Python encoder does; None where
-    it cannot (a nested message: the message is not flat)."""
-    f = s.field
-    if not s.live or f is None:
-        return FlatSlotView("const", None, False, f.wire_value if f else "None")
-    t, optional = f.type, f.type.kind == "optional"
-    if optional and t.elem is not None:
-        t = t.elem
-    if t.kind == "scalar" and t.name == "bool":
-        return FlatSlotView("bool", f.name, optional, "None")
-    if t.kind == "scalar":
-        return FlatSlotView("int", f.name, optional, "None", t.lo, t.hi)
-    if t.kind == "str":
-        return FlatSlotView("str", f.name, optional, "None")
-    if t.kind == "enum":
-        return FlatSlotView("type", f.name, optional, t.name)
-    if t.kind == "array":
-        return FlatSlotView("array", f.name, optional, f"_{t.dtype}")
-    e = t.elem
-    if t.kind == "list" and not optional and e is not None:
-        item_optional = e.kind == "optional"
-        item = e.elem if item_optional else e
-        if item is not None and item.kind == "array":
-            return FlatSlotView("array_list", f.name, item_optional, f"_{item.dtype}")
-    if t.converts:
-        return None
-    return FlatSlotView("any", f.name, optional, "None")  # bytes, lists of scalars: as they are
-
-
-@dataclass(frozen=True)
 class StepView:
     """What an older minor than ``minor`` cannot carry of one message."""
 
@@ -221,15 +178,6 @@ class MessageView:
             if t is not None and t.kind in ("scalar", "enum", "str"):
                 out.append(f)
         return out
-
-    @property
-    def flat(self) -> list[FlatSlotView] | None:
-        """The compiled encoder's table of a top-level message whose every position it can
-        write; None otherwise (see :func:`flat_slot`)."""
-        if self.type_id is None:
-            return None
-        out = [flat_slot(s) for s in self.slots]
-        return None if any(x is None for x in out) else [x for x in out if x is not None]
 
     @property
     def staged(self) -> list[SlotView]:
@@ -294,11 +242,6 @@ class MajorView:
     def uses_arrays(self) -> bool:
         """Whether any field holds a packed array (the module imports ``numpy.typing``)."""
         return any(t.kind == "array" for t in self._types())
-
-    @cached_property
-    def uses_flat(self) -> bool:
-        """Whether any message has a table for the compiled encoder (imports ``wirecore.flat``)."""
-        return any(m.flat for m in self.messages)
 
     @cached_property
     def uses_wire_types(self) -> bool:

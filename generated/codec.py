@@ -16,7 +16,7 @@ from pdwire.wirecore.negotiate import negotiate
 
 from . import v1 as _v1
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1

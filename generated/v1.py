@@ -106,11 +106,10 @@ import pdwire.protocols.pdwire.migrations as _mig
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -1888,23 +1887,6 @@ _SCALARS_TransferRequest: tuple[_env.Scalar, ...] = (
 )
 
 
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_TransferRequest: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("str", "sender", False, None, 0, 0),
-    ("array", "dst_kv_indices", False, _I32, 0, 0),
-    ("int", "dst_aux_index", False, None, -2147483648, 2147483647),
-    ("const", None, False, b"", 0, 0),
-    ("int", "required_dst_info_num", False, None, 0, 4294967295),
-    ("int", "decode_prefix_len", False, None, 0, 18446744073709551615),
-    ("bool", "is_dummy", False, None, 0, 0),
-    ("array_list", "state_indices", True, _I32, 0, 0),
-    ("int", "scatter_offset", False, None, -9223372036854775808, 9223372036854775807),
-    ("int", "scatter_page_bytes", False, None, 0, 18446744073709551615),
-    ("int", "scatter_pages", False, None, 0, 4294967295),
-)
-
-
 def _enc_TransferRequest(m: TransferRequest, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
@@ -2146,7 +2128,6 @@ _TransferRequest = _env.MessageSpec(
     at=_at_TransferRequest,
     trim=_trim_TransferRequest,
     scalars=_SCALARS_TransferRequest,
-    flat=_FLAT_TransferRequest,
     legacy={
         0: _env.Legacy(
             _enc_TransferRequest_1_0,
@@ -2200,16 +2181,6 @@ _SCALARS_TransferStatus: tuple[_env.Scalar, ...] = (
     ("sender_rank", "int", 0, 4294967295),
     ("reason", "str", None, None),
     ("failure_kind", "enum", FailureKind, None),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_TransferStatus: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("type", "status", False, Status, 0, 0),
-    ("int", "sender_rank", False, None, 0, 4294967295),
-    ("str", "reason", False, None, 0, 0),
-    ("type", "failure_kind", False, FailureKind, 0, 0),
 )
 
 
@@ -2283,7 +2254,6 @@ _TransferStatus = _env.MessageSpec(
     at=_at_TransferStatus,
     trim=_trim_TransferStatus,
     scalars=_SCALARS_TransferStatus,
-    flat=_FLAT_TransferStatus,
 )
 
 
@@ -2347,23 +2317,6 @@ _SCALARS_Notification: tuple[_env.Scalar, ...] = (
     ("also_aux", "bool", None, None),
     ("scatter_first_page", "int", 0, 4294967295),
     ("scatter_pages", "int", 0, 4294967295),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Notification: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("type", "kind", False, NotificationKind, 0, 0),
-    ("int", "chunk_id", False, None, 0, 4294967295),
-    ("bool", "is_last", False, None, 0, 0),
-    ("int", "sender_rank", False, None, 0, 4294967295),
-    ("int", "component", False, None, 0, 4294967295),
-    ("int", "expected_consumers", False, None, 0, 4294967295),
-    ("int", "chunk_count", False, None, 0, 4294967295),
-    ("array", "also_components", False, _U32, 0, 0),
-    ("bool", "also_aux", False, None, 0, 0),
-    ("int", "scatter_first_page", False, None, 0, 4294967295),
-    ("int", "scatter_pages", False, None, 0, 4294967295),
 )
 
 
@@ -2505,7 +2458,6 @@ _Notification = _env.MessageSpec(
     at=_at_Notification,
     trim=_trim_Notification,
     scalars=_SCALARS_Notification,
-    flat=_FLAT_Notification,
 )
 
 
@@ -2531,14 +2483,6 @@ _SCALARS_Abort: tuple[_env.Scalar, ...] = (
     ("room", "int", 0, 18446744073709551615),
     ("sender", "str", None, None),
     ("reason", "str", None, None),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Abort: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("str", "sender", False, None, 0, 0),
-    ("str", "reason", False, None, 0, 0),
 )
 
 
@@ -2583,7 +2527,6 @@ _Abort = _env.MessageSpec(
     fast_from_wire=_fdec_Abort,
     slots=("room", "sender", "reason"),
     scalars=_SCALARS_Abort,
-    flat=_FLAT_Abort,
 )
 
 
@@ -2608,13 +2551,6 @@ class _W_AbortAck(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 _SCALARS_AbortAck: tuple[_env.Scalar, ...] = (
     ("room", "int", 0, 18446744073709551615),
     ("sender_rank", "int", 0, 4294967295),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_AbortAck: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("int", "sender_rank", False, None, 0, 4294967295),
 )
 
 
@@ -2656,7 +2592,6 @@ _AbortAck = _env.MessageSpec(
     fast_from_wire=_fdec_AbortAck,
     slots=("room", "sender_rank"),
     scalars=_SCALARS_AbortAck,
-    flat=_FLAT_AbortAck,
 )
 
 

@@ -16,7 +16,7 @@ from pdwire.wirecore import positional_codec as _pc
 
 from . import v1_0, v2_0
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 PROFILE = "sglang"
 NEWEST = (2, 0)

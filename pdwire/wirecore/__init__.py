@@ -2,8 +2,7 @@
 
 Every module here is imported by generated code: :mod:`.errors`, :mod:`.header`,
 :mod:`.arrays`, :mod:`.types`, :mod:`.msgspec_errors`, :mod:`.negotiate`, :mod:`.model`,
-:mod:`.envelope` (the envelope layout), :mod:`.flat` (with the C extension ``_flatenc``: the
-compiled encoder of flat messages) and :mod:`.frame_encodings`, :mod:`.positional_codec`,
+:mod:`.envelope` (the envelope layout) and :mod:`.frame_encodings`, :mod:`.positional_codec`,
 :mod:`.profile_errors` (positional layouts). Protocol-specific code (migrations, SGLang's
 rules and conversions) lives with its protocol in :mod:`pdwire.protocols`.
 
@@ -15,15 +14,16 @@ runtime-version check). Bump :data:`API_VERSION` with any change generated code 
 
 from __future__ import annotations
 
-API_VERSION = 7
+API_VERSION = 8
 """The contract between generated code and this library (3: positional decoders read ASCII
 decimals with ``frame_encodings.read_int*``; 4: encoders hand large arrays to
 ``arrays.side_frame(arr, dtype, side, where)``, which makes the array itself the frame;
 5: fast decoders take the next side frame's index and return ``(message, index after)``,
 and ``envelope.refuse_scalars`` returns the values it accepted; 6: a top-level message's
 ``MessageSpec.scalars`` lets the encode slow path name a 64-bit field whose bound the encoder
-left to msgpack's own range; 7: a flat top-level message's ``MessageSpec.flat`` table, from
-which :mod:`.flat` builds the compiled encoder)."""
+left to msgpack's own range; 7: a flat top-level message's ``MessageSpec.flat`` table for a
+compiled encoder; 8: that table and the compiled encoder are gone, every message encodes with
+its generated Python encoder)."""
 
 
 def require(version: int, module: str) -> None:

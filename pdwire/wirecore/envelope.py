@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from . import flat
 from .arrays import Buffer, Cursor, Frames, SideFrame, SideFrames
 from .errors import (
     BodyError,
@@ -40,7 +39,6 @@ from .errors import (
     WireError,
     WrongProtocol,
 )
-from .flat import FlatSlot
 from .header import HEADER_SIZE, MAGIC, MAX_SIDE_FRAMES, pack_header, parse_header
 from .msgspec_errors import body_error
 from .negotiate import Version, describe
@@ -81,7 +79,6 @@ class MessageSpec(NamedTuple):
     legacy: Mapping[int, Legacy] = {}
     # the scalar fields whose 64-bit bounds the encoder leaves to msgpack (see encode_with)
     scalars: Sequence[Scalar] = ()
-    flat: Sequence[FlatSlot] | None = None  # the compiled encoder's table (wirecore.flat)
 
 
 class MessageCodec(NamedTuple):
@@ -101,7 +98,6 @@ class MessageCodec(NamedTuple):
     headers: tuple[bytes, ...]  # header frame by side-frame count, for the first HEADERS_CACHED counts
     lone_cursor: Cursor  # shared by messages without side frames (never mutated: any reference fails)
     scalars: Sequence[Scalar] = ()  # what names a field whose int msgpack refused
-    flat: Sequence[FlatSlot] | None = None  # the newest minor of a flat message: its table
 
     @property
     def header(self) -> bytes:
@@ -132,7 +128,6 @@ def codec(
     slots: tuple[str, ...],
     after: Step | None = None,
     scalars: Sequence[Scalar] = (),
-    flat: Sequence[FlatSlot] | None = None,
 ) -> MessageCodec:
     """A :class:`MessageCodec` with its precomputed header frames."""
     headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
@@ -152,7 +147,6 @@ def codec(
         headers,
         lone,
         scalars,
-        flat,
     )
 
 
@@ -231,7 +225,6 @@ def major_codecs(
                 after=None if v == newest else _older_check(s, v, version),
                 slots=s.slots,
                 scalars=s.scalars,
-                flat=s.flat if v == newest else None,
             )
         out[version] = table
     return out
@@ -512,13 +505,8 @@ class Registry:
             for mc in codecs[v].values():
                 self.by_class[mc.cls] = mc
         # class -> (encoder, header frames, codec) at the newest minor: what encode() reads
-        # for the common case, without a named tuple's attribute lookups. The encoder is the
-        # compiled one where the message is flat (wirecore.flat), which raises for anything
-        # but the common case: encode() then runs the generated one through encode_with.
-        self._encoders = {
-            cls: (flat.encoder(cls, mc.flat) or mc.to_wire, mc.headers, mc)
-            for cls, mc in self.by_class.items()
-        }
+        # for the common case, without a named tuple's attribute lookups
+        self._encoders = {cls: (mc.to_wire, mc.headers, mc) for cls, mc in self.by_class.items()}
         self.dispatch: dict[tuple[int, int, int], MessageCodec] = {}
         # exact header frame -> (body decoder, fast decoder, frame count, check, version): one
         # dict lookup checks magic, protocol, version, type and side-frame count together

@@ -25,11 +25,10 @@ import numpy.typing as npt
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -85,18 +84,6 @@ class _W_Pages(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 
 
 _SCALARS_Pages: tuple[_env.Scalar, ...] = (("room", "int", 0, 18446744073709551615),)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Pages: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("array", "pages", False, _I32, 0, 0),
-    ("array", "ranks", False, _U32, 0, 0),
-    ("array", "addresses", False, _U64, 0, 0),
-    ("array_list", "per_layer", False, _U32, 0, 0),
-    ("array_list", "maybe", True, _I32, 0, 0),
-    ("any", "tags", False, None, 0, 0),
-)
 
 
 def _enc_Pages(m: Pages, side: _a.SideFrames | None) -> list[Any]:
@@ -252,7 +239,6 @@ _Pages = _env.MessageSpec(
     fast_from_wire=_fdec_Pages,
     slots=("room", "pages", "ranks", "addresses", "per_layer", "maybe", "tags"),
     scalars=_SCALARS_Pages,
-    flat=_FLAT_Pages,
 )
 
 

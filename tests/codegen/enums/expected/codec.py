@@ -14,7 +14,7 @@ from pdwire.wirecore import envelope as _env
 
 from . import v1 as _v1
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 PROTOCOL = "enums"
 PROTOCOL_ID = 103

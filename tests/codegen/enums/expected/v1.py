@@ -25,10 +25,9 @@ import numpy as np
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)
@@ -97,15 +96,6 @@ _SCALARS_Paint: tuple[_env.Scalar, ...] = (
 )
 
 
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Paint: tuple[_flat.FlatSlot, ...] = (
-    ("type", "color", False, Color, 0, 0),
-    ("type", "trim", False, Color, 0, 0),
-    ("any", "palette", False, None, 0, 0),
-    ("type", "accent", True, Color, 0, 0),
-)
-
-
 def _enc_Paint(m: Paint, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.color) is Color
@@ -165,7 +155,6 @@ _Paint = _env.MessageSpec(
     slots=("color", "trim", "palette", "accent"),
     at=_at_Paint,
     scalars=_SCALARS_Paint,
-    flat=_FLAT_Paint,
 )
 
 

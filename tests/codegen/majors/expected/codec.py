@@ -17,7 +17,7 @@ from pdwire.wirecore.negotiate import negotiate
 from . import v1 as _v1
 from . import v2 as _v2
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 PROTOCOL = "majors"
 PROTOCOL_ID = 106

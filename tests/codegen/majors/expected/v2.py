@@ -24,11 +24,10 @@ import numpy as np
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 2
 MINORS = (0,)
@@ -198,15 +197,6 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
 )
 
 
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Request: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("const", None, False, 0, 0, 0),
-    ("int", "epoch", False, None, 0, 4294967295),
-    ("str", "tenant", False, None, 0, 0),
-)
-
-
 def _enc_Request(m: Request, side: _a.SideFrames | None) -> list[Any]:
     if not (
         type(x0 := m.room) is int
@@ -254,7 +244,6 @@ _Request = _env.MessageSpec(
     fast_from_wire=_fdec_Request,
     slots=("room", "reserved_1", "epoch", "tenant"),
     scalars=_SCALARS_Request,
-    flat=_FLAT_Request,
 )
 
 

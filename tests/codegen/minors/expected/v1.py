@@ -25,11 +25,10 @@ import numpy.typing as npt
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2)
@@ -87,16 +86,6 @@ _SCALARS_Request: tuple[_env.Scalar, ...] = (
     ("room", "int", 0, 18446744073709551615),
     ("hint", "str", None, None),
     ("limit", "int", 0, 4294967295),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Request: tuple[_flat.FlatSlot, ...] = (
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("const", None, False, b"", 0, 0),
-    ("array", "ids", False, _U32, 0, 0),
-    ("str", "hint", False, None, 0, 0),
-    ("int", "limit", False, None, 0, 4294967295),
 )
 
 
@@ -186,7 +175,6 @@ _Request = _env.MessageSpec(
     at=_at_Request,
     trim=_trim_Request,
     scalars=_SCALARS_Request,
-    flat=_FLAT_Request,
 )
 
 
@@ -206,10 +194,6 @@ class _W_Ack(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 
 
 _SCALARS_Ack: tuple[_env.Scalar, ...] = (("room", "int", 0, 18446744073709551615),)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Ack: tuple[_flat.FlatSlot, ...] = (("int", "room", False, None, 0, 18446744073709551615),)
 
 
 def _enc_Ack(m: Ack, side: _a.SideFrames | None) -> list[Any]:
@@ -245,7 +229,6 @@ _Ack = _env.MessageSpec(
     fast_from_wire=_fdec_Ack,
     slots=("room",),
     scalars=_SCALARS_Ack,
-    flat=_FLAT_Ack,
 )
 
 

@@ -23,7 +23,7 @@ from pdwire.wirecore import positional_codec as _pc
 from pdwire.wirecore.arrays import values_equal as _eq
 from pdwire.wirecore.profile_errors import Where as _Where
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 VERSION = (1, 0)
 PROFILE = "positional"

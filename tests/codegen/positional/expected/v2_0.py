@@ -24,7 +24,7 @@ from pdwire.wirecore.profile_errors import Where as _Where
 
 from . import v1_0 as _v1_0
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 VERSION = (2, 0)
 PROFILE = "positional"

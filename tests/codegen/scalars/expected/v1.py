@@ -24,11 +24,10 @@ import numpy as np
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
 from pdwire.wirecore import envelope as _env
-from pdwire.wirecore import flat as _flat
 from pdwire.wirecore import types as _t
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(7, __name__)
+_wc.require(8, __name__)
 
 MAJOR = 1
 MINORS = (0,)
@@ -99,21 +98,6 @@ _SCALARS_Sample: tuple[_env.Scalar, ...] = (
     ("delta", "int", -2147483648, 2147483647),
     ("offset", "int", -9223372036854775808, 9223372036854775807),
     ("name", "str", None, None),
-)
-
-
-# the compiled encoder's table (wirecore.flat): (kind, field, optional, dtype/type/value, lo, hi)
-_FLAT_Sample: tuple[_flat.FlatSlot, ...] = (
-    ("bool", "flag", False, None, 0, 0),
-    ("int", "small", False, None, 0, 255),
-    ("int", "port", False, None, 0, 65535),
-    ("int", "count", False, None, 0, 4294967295),
-    ("int", "room", False, None, 0, 18446744073709551615),
-    ("int", "delta", False, None, -2147483648, 2147483647),
-    ("int", "offset", False, None, -9223372036854775808, 9223372036854775807),
-    ("str", "name", False, None, 0, 0),
-    ("any", "raw", False, None, 0, 0),
-    ("any", "opaque", False, None, 0, 0),
 )
 
 
@@ -192,7 +176,6 @@ _Sample = _env.MessageSpec(
     fast_from_wire=_fdec_Sample,
     slots=("flag", "small", "port", "count", "room", "delta", "offset", "name", "raw", "opaque"),
     scalars=_SCALARS_Sample,
-    flat=_FLAT_Sample,
 )
 
 
