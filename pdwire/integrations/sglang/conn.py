@@ -34,7 +34,7 @@ pdwire prefill rank (ZMQ refuses the socket pairing) and the handshake times out
 endpoint; to read or convert the frames today's backends send, use pdwire's SGLang profile
 (``pdwire.wire.sglang``, ``pdwire inspect``).
 
-Environment: ``PDWIRE_SGLANG_ENGINE`` picks the transfer engine (``nixl``, ``mooncake``,
+Environment: ``PDWIRE_SGLANG_BACKEND`` picks the transfer backend (``nixl``, ``mooncake``,
 ``local``; default NIXL when it imports), ``PDWIRE_ENGINE_ID`` overrides the engine id.
 SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``..._WAITING_TIMEOUT`` bound the
 waits as they do for its own backends.
@@ -223,27 +223,23 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 "its peers: SGLang's KVArgs do not name those layers and pdwire cannot read them from "
                 "this model's pools (see docs/sglang.md, pipeline parallelism); run it without PP"
             )
-        try:
-            self.memory = rank_memory(
-                args,
-                Geometry(
-                    self.attn_tp_size, self.attn_tp_rank, self.pp_size, self.pp_rank,
-                    is_mla=self.is_mla_backend, memory_kind=_memory_kind(),
-                ),
-            )  # fmt: skip
-        except KVArgsError as exc:
-            raise ValueError(f"pdwire cannot describe this rank's memory: {exc}") from exc
         self.rank = pd.ParallelRank(
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
             cp_size=self.attn_cp_size, cp_rank=self.attn_cp_rank,
         )  # fmt: skip
+        try:
+            self.memory = rank_memory(
+                args, Geometry(self.rank, is_mla=self.is_mla_backend, memory_kind=_memory_kind())
+            )
+        except KVArgsError as exc:
+            raise ValueError(f"pdwire cannot describe this rank's memory: {exc}") from exc
         self.model = pd.ModelFingerprint(
             model_name=str(getattr(server_args, "served_model_name", None) or server_args.model_path),
             revision=str(getattr(server_args, "revision", None) or ""),
             dtype=str(self.kv_cache_dtype_str),
             num_layers=0,  # PP stages hold different layers; the name, revision and dtype identify the model
         )
-        self.engine_name = os.environ.get("PDWIRE_SGLANG_ENGINE") or None
+        self.backend_name = os.environ.get("PDWIRE_SGLANG_BACKEND") or None
         self._lock = threading.Lock()
         # prefill: room -> status, refreshed by the driver; decode: room -> (status, failure)
         self.watched: dict[int, KVPoll] = {}
@@ -269,7 +265,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
     def _start_prefill(self) -> None:
         config = pd.PrefillConfig(
-            engine_id=self._engine_id("prefill"), rank=self.rank, model=self.model, backend=self.engine_name,
+            engine_id=self._engine_id("prefill"), rank=self.rank, model=self.model, backend=self.backend_name,
             bind=f"tcp://{self.local_ip}:0", room_timeout_s=self.waiting_timeout + self.bootstrap_timeout,
         )  # fmt: skip
         self.worker: Any = pd.PrefillWorker(config, self.memory, on_released=self._on_released)
@@ -287,7 +283,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 f"{sorted(_PREFIX_DEPENDENT & set(self.kinds))} is not supported"
             )
         config = pd.DecodeConfig(
-            engine_id=self._engine_id("decode"), rank=self.rank, model=self.model, backend=self.engine_name,
+            engine_id=self._engine_id("decode"), rank=self.rank, model=self.model, backend=self.backend_name,
             room_timeout_s=self.waiting_timeout,
         )  # fmt: skip
         self.worker = pd.DecodeWorker(

@@ -133,12 +133,10 @@ _ROW_UNKNOWN = {"qsa_pending", "swa_ring", "c128_state", "request_row"}
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """Where the rank sits (from SGLang's parallel state, not from KVArgs)."""
+    """Where the rank sits (from SGLang's parallel state, not from KVArgs: ``tp_*`` of ``rank``
+    is the attention TP group) and what its pools are."""
 
-    attn_tp_size: int
-    attn_tp_rank: int
-    pp_size: int = 1
-    pp_rank: int = 0
+    rank: pd.ParallelRank
     is_mla: bool = False
     memory_kind: pd.MemoryKind = pd.MemoryKind.VRAM
 
@@ -198,7 +196,7 @@ def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
     if k_lens != v_lens:
         raise KVArgsError("KVArgs.kv_data_lens: a layer's K and V buffers differ in length")
     heads = int(_get(args, "kv_head_num", 0) or 0)
-    total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.attn_tp_size
+    total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.rank.tp_size
     if heads < 1:
         raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA model, got {heads}")
     if (page_bytes // page_size) % heads:
@@ -321,7 +319,7 @@ def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.S
         half = n // 2
         ids = tuple(layer_ids[:half]) if layer_ids else None
         heads = int(_get(args, "kv_head_num", 0) or 0)
-        total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.attn_tp_size
+        total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.rank.tp_size
         page_size = int(_get(args, "page_size", 1) or 1)
         layout_name = str(_get(args, "swa_kv_cache_layout", None) or "nhd").upper()
         if layout_name not in ("NHD", "HND"):
@@ -378,7 +376,8 @@ def state_kinds(args: Any) -> list[str]:
 def rank_memory(args: Any, geo: Geometry) -> pd.RankMemory:
     """``RankMemory`` of one SGLang rank; :class:`KVArgsError` names what does not fit."""
     first_layer = int(_get(args, "prefill_start_layer", 0) or 0)
-    position = pd.RankPosition(geo.attn_tp_size, geo.attn_tp_rank, geo.pp_size, geo.pp_rank, first_layer)
+    r = geo.rank
+    position = pd.RankPosition(r.tp_size, r.tp_rank, r.pp_size, r.pp_rank, first_layer)
     kinds: Sequence[str] = state_kinds(args)
     kv = _kv_pool(args, geo)
     state = tuple(_state_component(args, ci, k, geo) for ci, k in enumerate(kinds))
