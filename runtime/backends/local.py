@@ -57,7 +57,7 @@ from pdwire.runtime.backends.values import (
     failed,
 )
 from pdwire.runtime.backends.wakeup import WAKE_NAME, DatagramWaker, Waker, poke
-from pdwire.runtime.backends.worker import Job, JobTransfers, JobWorker
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 _libc = ctypes.CDLL(None, use_errno=True)

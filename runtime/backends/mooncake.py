@@ -74,7 +74,7 @@ from pdwire.runtime.backends.values import (
     failed,
 )
 from pdwire.runtime.backends.wakeup import Waker
-from pdwire.runtime.backends.worker import Job, JobTransfers, JobWorker
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 

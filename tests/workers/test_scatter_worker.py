@@ -199,7 +199,7 @@ def test_a_notification_naming_pages_outside_the_reservation_fails_the_room_type
         forged = Completed(
             11, 0, wire.NotificationKind.KV, 0, True, 0, scatter_first=PAGES - 2, scatter_pages=4
         )
-        s.dec._on_event(forged)
+        s.dec.rooms.on_event(forged)
         pump(workers, lambda: (11, pd.Status.FAILED) in s.finished, "the failed room")
         assert any("pages [22, 26)" in f and "[0, 24)" in f for f in s.dec.stats.failures)
         assert all(np.array_equal(a, b) for a, b in zip(before, s.decode.pools, strict=True))
