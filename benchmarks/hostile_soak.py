@@ -56,9 +56,10 @@ def serve(mode: str) -> int:
 
     from pdwire.runtime.backends.local import LocalBackend
     from pdwire.runtime.control_auth import ControlAuth
-    from pdwire.runtime.demo.model import Capacity, ModelSpec, build_caches, bytes_needed
-    from pdwire.runtime.demo.rank import model_fingerprint
     from pdwire.runtime.engine import ParallelRank, PrefillConfig, PrefillWorker
+
+    from pdwire.demo.model import Capacity, ModelSpec, build_caches, bytes_needed
+    from pdwire.demo.rank import model_fingerprint
 
     spec = ModelSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)
     cap = Capacity(pages=64, slots=8, swa_pages=16, aux_items=8)
@@ -113,8 +114,9 @@ def bad_registration(spec: Any, agent_name: str) -> Any:
     """A well-formed RegisterInfo of a TP-1 decode rank of ``spec`` whose backend metadata is
     garbage: the rank must refuse it (a typed peer failure) and keep serving."""
     from pdwire.runtime.backends.local import LocalBackend
-    from pdwire.runtime.demo.model import Capacity, build_caches, bytes_needed
     from pdwire.runtime.session.registration import register_info
+
+    from pdwire.demo.model import Capacity, build_caches, bytes_needed
 
     cap = Capacity(pages=8, slots=2, swa_pages=4, aux_items=2)
     backend = LocalBackend(agent_name=agent_name)
@@ -132,11 +134,11 @@ def bad_registration(spec: Any, agent_name: str) -> Any:
 def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import zmq
     from pdwire.runtime.config import ParallelRank
-    from pdwire.runtime.demo.model import ModelSpec
-    from pdwire.runtime.demo.rank import model_fingerprint
     from pdwire.runtime.session.hello import Identity
 
     from pdwire import wire
+    from pdwire.demo.model import ModelSpec
+    from pdwire.demo.rank import model_fingerprint
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(

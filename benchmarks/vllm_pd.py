@@ -33,8 +33,9 @@ from pathlib import Path
 
 from pdwire.runtime.control_auth import ENV_KEYS, generate_directory
 
-from pdwire.integrations.vllm import harness as h
-from pdwire.integrations.vllm import tiny_models as tm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine harness is test tooling
+from tests.vllm import harness as h
+from tests.vllm import tiny_models as tm
 
 CONNECTORS = {
     "pdwire": {"kv_connector": "PdwireConnector", "kv_connector_module_path": "pdwire.integrations.vllm"},

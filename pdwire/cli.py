@@ -18,10 +18,10 @@ from typing import Any
 
 # command name -> (module that registers it, one-line summary for the top-level help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("pdwire.runtime.demo.cli", "move a hybrid model's KV and state between processes, checked"),
+    "demo": ("pdwire.demo.cli", "move a hybrid model's KV and state between processes, checked"),
     "serve": ("pdwire.serve_command", "run one role (prefill or decode ranks) of a PD deployment"),
     "keys": ("pdwire.runtime.control_auth", "create the control plane's CURVE keys (`keys generate DIR`)"),
-    "ctl": ("pdwire.runtime.serve.admin", "send status/run/stop to a decode server's admin socket"),
+    "ctl": ("pdwire.serve.admin", "send status/run/stop to a decode server's admin socket"),
     "codegen": ("pdwire.codegen.cli", "generate the wire codecs from the YAML schemas (--check: verify)"),
     "schema": ("pdwire.codegen.diff_cli", "schema tools: `schema diff OLD NEW` classifies every change"),
     "reference": ("pdwire.codegen.reference_cli", "print a summary of the wire reference"),

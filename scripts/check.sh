@@ -21,12 +21,13 @@ ruff format --check --exclude "*.md" .  # Python only: docs keep their hand-wrap
 echo "== mypy"
 bash scripts/mypy.sh
 
-# tests/vllm runs real vLLM engines from vLLM's own venv (./dev setup_vllm), tests/sglang_backend
-# SGLang 0.5.23's real classes from SGLang's (./dev setup_sglang); the main venv collects neither
-# (tests/conftest.py). Arguments naming one of those folders run in its venv, others here.
+# tests/vllm/engines runs real vLLM engines from vLLM's own venv (./dev setup_vllm),
+# tests/sglang/backend SGLang 0.5.23's real classes from SGLang's (./dev setup_sglang); the main
+# venv collects neither (tests/conftest.py). Arguments naming one of those folders (or a file in
+# one) run in its venv, others here.
 VLLM_VENV="${PDWIRE_VLLM_VENV:-.venv-vllm}"
 SGLANG_VENV="${PDWIRE_SGLANG_VENV:-.venv-sglang}"
-suites=("tests/vllm:$VLLM_VENV:real vLLM engines" "tests/sglang_backend:$SGLANG_VENV:SGLang 0.5.23")
+suites=("tests/vllm/engines:$VLLM_VENV:real vLLM engines" "tests/sglang/backend:$SGLANG_VENV:SGLang 0.5.23")
 # Options (-x, -k EXPR, ...) go to every run; test paths pick the venv they run in.
 opts=() main_paths=()
 declare -A picked=()

@@ -13,18 +13,20 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# tests/vllm needs vLLM's CPU build, installed in its own venv (./dev setup_vllm) and run from
-# there by scripts/check.sh; any other venv leaves that folder out rather than failing to import.
+# Each integration's tests live in one folder (tests/vllm, tests/sglang); the part that runs the
+# real engine lives in a sub-folder run from that engine's venv by scripts/check.sh.
+# tests/vllm/engines needs vLLM's CPU build (./dev setup_vllm); any other venv leaves that
+# folder out rather than failing to import.
 collect_ignore: list[str] = []
 try:
     import vllm  # noqa: F401
 except ImportError:
-    collect_ignore.append("vllm")
+    collect_ignore.append("vllm/engines")
 
-# tests/sglang_backend likewise needs SGLang 0.5.23 from its own venv (./dev setup_sglang);
+# tests/sglang/backend likewise needs SGLang 0.5.23 from its own venv (./dev setup_sglang);
 # looked up without importing it (SGLang imports torch, triton and transformers at start-up).
 if importlib.util.find_spec("sglang") is None:
-    collect_ignore.append("sglang_backend")
+    collect_ignore.append("sglang/backend")
 
 # The control plane is authenticated (CURVE) by default and a worker without keys refuses to
 # start. The suite runs it unauthenticated unless a test gives keys (tests/e2e/test_control_auth.py

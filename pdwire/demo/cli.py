@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pdwire.runtime.demo.spec import Capacity, ModelSpec, pages_for
+from pdwire.demo.spec import Capacity, ModelSpec, pages_for
 
 # exit statuses (docs/cli.md)
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE, EXIT_NOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -64,8 +64,10 @@ MAX_BYTES_PER_RANK = 8 << 30  # a rank's caches must fit in memory: refuse shape
 
 
 def register(subparsers: Any) -> None:
+    from pdwire.demo import register_mori_fake
     from pdwire.runtime.backends.registry import known_backends
 
+    register_mori_fake()
     p = subparsers.add_parser(
         "demo",
         help="prefill and decode groups as processes; move and verify N requests",
@@ -186,14 +188,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdwire demo: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if not _importable("torch"):
-        from pdwire.cli import CPU_TORCH
-
-        print(
-            "pdwire demo: needs torch, which is not installed: pip install 'pdwire[demo]' "
-            f"(the CPU build first: {CPU_TORCH})",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        # the command's one line naming the extra (pdwire.cli.missing_extra), exit status 2
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
     from pdwire.runtime.backends.registry import backend_problem, default_backend
 
     backend = args.backend or default_backend()
@@ -202,9 +198,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdwire demo: --backend {backend}: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if args.serve:
-        from pdwire.runtime.demo.serve_mode import run_serve_demo
+        from pdwire.demo.serve_mode import run_serve_demo
 
         return run_serve_demo(args, backend, spec_of(args))
-    from pdwire.runtime.demo.run import run_demo
+    from pdwire.demo.run import run_demo
 
     return run_demo(args, backend, spec_of(args))

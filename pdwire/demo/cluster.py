@@ -1,7 +1,7 @@
 """Prefill and decode groups as separate processes on this machine, driven from the parent.
 
 Used by ``pdwire demo``, the end-to-end tests and the control-plane benchmark. Every rank is
-a process forked from a forkserver (:func:`pdwire.runtime.demo.rank.rank_main`) with its own backend and
+a process forked from a forkserver (:func:`pdwire.demo.rank.rank_main`) with its own backend and
 memory; the parent only sends scheduler commands and collects results. ``close`` kills
 every child that is still alive, so nothing outlives the cluster.
 """
@@ -20,8 +20,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
 from pdwire.runtime.control_auth import ControlAuth
-from pdwire.runtime.demo.model import Capacity, ModelSpec
-from pdwire.runtime.demo.rank import RankConfig, rank_main
+from pdwire.demo.model import Capacity, ModelSpec
+from pdwire.demo.rank import RankConfig, rank_main
 
 
 class ClusterError(RuntimeError):
@@ -87,7 +87,7 @@ class Cluster:
         # One forkserver imports torch (and the engine) once; every rank forks from it, instead of
         # each spawned rank paying the multi-second torch import on a small machine.
         self._ctx = mp.get_context("forkserver")
-        preload = ["pdwire.runtime.demo.rank"] + (["nixl._api"] if backend == "nixl" else [])
+        preload = ["pdwire.demo.rank"] + (["nixl._api"] if backend == "nixl" else [])
         self._ctx.set_forkserver_preload(preload)
         # one CURVE key for the cluster's ranks, like a deployment's: the control plane is
         # authenticated as it is by default

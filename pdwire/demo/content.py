@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
-from pdwire.runtime.demo.model import ModelSpec, RankCaches
-from pdwire.runtime.demo.spec import pages_for as pages_for  # re-exported: callers import it from here
+from pdwire.demo.model import ModelSpec, RankCaches
+from pdwire.demo.spec import pages_for as pages_for  # re-exported: callers import it from here
 from pdwire.runtime.engine import RequestIndices
 from pdwire.runtime.planner import StateKind, heads_held
 

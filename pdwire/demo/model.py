@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from pdwire.runtime import torch_memory as tm
-from pdwire.runtime.demo.spec import Capacity, ModelSpec
+from pdwire.demo.spec import Capacity, ModelSpec
 from pdwire.runtime.descriptors import Region
 from pdwire.runtime.engine import (
     HeadGeometry,

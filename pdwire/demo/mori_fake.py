@@ -1,7 +1,7 @@
 """An in-process fake of MoRI's IO engine API (``mori.io``), for hosts without MoRI: backend ``mori-fake``.
 
-Part of the demo, not of the production backends: importing :mod:`pdwire.runtime.demo` registers
-it (``pdwire demo --backend mori-fake``, the conformance and end-to-end suites).
+Part of the demo, not of the production backends: :func:`pdwire.demo.register_mori_fake`
+registers it (``pdwire demo --backend mori-fake``, the conformance and end-to-end suites).
 
 MoRI (ROCm/mori) cannot be installed on this project's machines, so the MoRI adapter
 (:mod:`pdwire.runtime.backends.mori`) is tested against this fake. It mirrors the Python surface the adapter

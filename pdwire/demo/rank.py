@@ -1,6 +1,6 @@
 """One demo rank process (prefill or decode): memory, backend, worker, and a command pipe.
 
-The parent (:mod:`pdwire.runtime.demo.cluster`) drives each rank over a multiprocessing
+The parent (:mod:`pdwire.demo.cluster`) drives each rank over a multiprocessing
 pipe with small tuples; that pipe is the demo's stand-in for an inference engine's
 scheduler and is not part of the protocol (every prefill <-> decode message goes through
 the workers and the generated codecs).
@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-from pdwire.runtime import engine as pd
-from pdwire.runtime.backends import shm
-from pdwire.runtime.demo.content import (
+
+from pdwire import wire
+from pdwire.demo import register_mori_fake
+from pdwire.demo.content import (
     RoomSlots,
     fill,
     fill_sentinel,
@@ -34,9 +35,9 @@ from pdwire.runtime.demo.content import (
     untouched_problems,
     verify,
 )
-from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
-
-from pdwire import wire
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime import engine as pd
+from pdwire.runtime.backends import shm
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ def rank_main(cfg: RankConfig, conn: Connection) -> None:
 def _setup(cfg: RankConfig) -> tuple[pd.Backend, RankCaches, dict[str, Any]]:
     """The rank's backend, its caches carved out of memory allocated through it, and the
     fields both worker configs share."""
+    register_mori_fake()  # a forkserver child: the parent's registrations are not inherited
     backend = pd.create_backend(
         cfg.backend,
         agent_name=f"{cfg.engine_id}-{cfg.role}{cfg.rank}-{os.getpid()}",

@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 import numpy as np
-from pdwire.runtime.demo.cli import EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_VERIFY_FAILED
-from pdwire.runtime.demo.cluster import Cluster, ClusterError, RoomResult, busy_seconds
-from pdwire.runtime.demo.spec import Capacity, ModelSpec, pages_for
+from pdwire.demo.cli import EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_VERIFY_FAILED
+from pdwire.demo.cluster import Cluster, ClusterError, RoomResult, busy_seconds
+from pdwire.demo.spec import Capacity, ModelSpec, pages_for
 
 
 class _Progress:

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from pdwire.runtime.control_auth import generate_directory
-from pdwire.runtime.demo.cli import EXIT_NOT_RUN
-from pdwire.runtime.demo.spec import ModelSpec, pages_for
-from pdwire.runtime.serve.admin import admin_call
-from pdwire.runtime.serve.local_etcd import LocalEtcd
+from pdwire.demo.cli import EXIT_NOT_RUN
+from pdwire.demo.spec import ModelSpec, pages_for
+from pdwire.serve.admin import admin_call
+from pdwire.demo.local_etcd import LocalEtcd
 
 
 def _tail(path: Path, n: int = 30) -> str:

@@ -1,6 +1,6 @@
 """The demo's hybrid model as a ``pdwire serve`` memory model (``memory: {model: demo}``).
 
-:class:`DemoServeMemory` implements :class:`~pdwire.runtime.serve.memory.ServeMemory` with the
+:class:`DemoServeMemory` implements :class:`~pdwire.serve.memory.ServeMemory` with the
 demo's caches (:mod:`.model`), its deterministic content and byte-for-byte verification
 (:mod:`.content`); ``pdwire serve`` registers it as ``demo``. For each room the content of
 every cache tensor is a deterministic function of ``(seed, room, tokens)``: prefill writes its
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdwire.runtime import engine as pd
-from pdwire.runtime.demo.content import (
+from pdwire.demo.content import (
     RoomSlots,
     fill,
     fill_sentinel,
@@ -21,9 +21,9 @@ from pdwire.runtime.demo.content import (
     reset,
     verify,
 )
-from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
-from pdwire.runtime.demo.rank import SlotPool, model_fingerprint
-from pdwire.runtime.serve.config import MemorySettings
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.demo.rank import SlotPool, model_fingerprint
+from pdwire.serve.config import MemorySettings
 
 from pdwire import wire
 

@@ -5,9 +5,9 @@ validated, :mod:`.membership` for the pure view built from registry events, and
 :func:`open_discovery` for the spec strings (``etcd://...``, ``static:PATH``).
 """
 
-from pdwire.runtime.discovery.base import Discovery, DiscoveryError
-from pdwire.runtime.discovery.config import open_discovery
-from pdwire.runtime.discovery.entry import (
+from pdwire.discovery.base import Discovery, DiscoveryError
+from pdwire.discovery.config import open_discovery
+from pdwire.discovery.entry import (
     DEFAULT_PREFIX,
     Geometry,
     RankEntry,
@@ -17,8 +17,8 @@ from pdwire.runtime.discovery.entry import (
     entry_key,
     rank_name,
 )
-from pdwire.runtime.discovery.etcd import EtcdDiscovery
-from pdwire.runtime.discovery.membership import (
+from pdwire.discovery.etcd import EtcdDiscovery
+from pdwire.discovery.membership import (
     Change,
     EngineGroup,
     Joined,
@@ -30,7 +30,7 @@ from pdwire.runtime.discovery.membership import (
     Restarted,
     Updated,
 )
-from pdwire.runtime.discovery.static import StaticDiscovery, parse_engine_flag, static_entries
+from pdwire.discovery.static import StaticDiscovery, parse_engine_flag, static_entries
 
 __all__ = [
     "DEFAULT_PREFIX",

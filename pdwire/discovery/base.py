@@ -22,8 +22,8 @@ import logging
 from abc import ABC, abstractmethod
 from types import TracebackType
 
-from pdwire.runtime.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role
-from pdwire.runtime.discovery.membership import (
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role
+from pdwire.discovery.membership import (
     Change,
     Membership,
     RegistryBack,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs
 
-from pdwire.runtime.discovery.base import Discovery, DiscoveryError
-from pdwire.runtime.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, check_prefix
-from pdwire.runtime.discovery.etcd import DEFAULT_TTL_S, EtcdDiscovery
-from pdwire.runtime.discovery.static import StaticDiscovery
+from pdwire.discovery.base import Discovery, DiscoveryError
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, check_prefix
+from pdwire.discovery.etcd import DEFAULT_TTL_S, EtcdDiscovery
+from pdwire.discovery.static import StaticDiscovery
 from pdwire.runtime.endpoints import EndpointError, parse_host_port
 
 ENV = "PDWIRE_DISCOVERY"

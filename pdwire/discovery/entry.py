@@ -24,6 +24,7 @@ import re
 from typing import Literal
 
 import msgspec
+
 from pdwire.runtime.endpoints import EndpointError, check_advertisable, parse_zmq_endpoint
 
 ENTRY_FORMAT = 1

@@ -32,9 +32,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pdwire.runtime.discovery.base import Discovery, log
-from pdwire.runtime.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, encode_entry
-from pdwire.runtime.discovery.membership import (
+from pdwire.discovery.base import Discovery, log
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, encode_entry
+from pdwire.discovery.membership import (
     Delete,
     Put,
     Reachable,

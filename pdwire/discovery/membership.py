@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdwire.runtime.discovery.entry import (
+from pdwire.discovery.entry import (
     DEFAULT_PREFIX,
     ROLES,
     Geometry,

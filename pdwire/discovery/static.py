@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from pdwire.runtime.discovery.base import Discovery, DiscoveryError, log
-from pdwire.runtime.discovery.entry import (
+
+from pdwire.discovery.base import Discovery, DiscoveryError, log
+from pdwire.discovery.entry import (
     DEFAULT_PREFIX,
     ROLES,
     Geometry,
@@ -39,7 +40,7 @@ from pdwire.runtime.discovery.entry import (
     entry_from_dict,
     validate,
 )
-from pdwire.runtime.discovery.membership import Reachable, RegistryEvent, Snapshot, Unreachable
+from pdwire.discovery.membership import Reachable, RegistryEvent, Snapshot, Unreachable
 
 STATIC_INCARNATION = "static"
 

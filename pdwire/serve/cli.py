@@ -24,7 +24,7 @@ import signal
 import sys
 from typing import Any
 
-from pdwire.runtime.serve.config import ServeConfig, ServeConfigError, build_config, load_file
+from pdwire.serve.config import ServeConfig, ServeConfigError, build_config, load_file
 
 _MEMORY_FLAGS = (
     "model",
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _setup_logging(cfg)
     log = logging.getLogger("pdwire.serve")
-    from pdwire.runtime.discovery import DiscoveryError, open_discovery, parse_engine_flag
+    from pdwire.discovery import DiscoveryError, open_discovery, parse_engine_flag
 
     try:
         static = [e for text in cfg.prefill for e in parse_engine_flag("prefill", text)]
@@ -192,11 +192,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if cfg.role == "prefill":
-            from pdwire.runtime.serve.prefill import PrefillServer
+            from pdwire.serve.prefill import PrefillServer
 
             server: Any = PrefillServer(cfg, discovery)
         else:
-            from pdwire.runtime.serve.decode import DecodeServer
+            from pdwire.serve.decode import DecodeServer
 
             server = DecodeServer(cfg, discovery)
     except (pd.ConfigError, BackendError, ValueError, OSError) as exc:

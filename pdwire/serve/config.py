@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from pdwire.runtime.backends.options import BackendOptionError, options_from_env, parse_pairs
 from pdwire.runtime.endpoints import EndpointError, HostPort, check_advertisable, parse_host_port
 

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from pdwire.discovery import Discovery, EngineGroup
 from pdwire.runtime import engine as pd
-from pdwire.runtime.discovery import Discovery, EngineGroup
-from pdwire.runtime.serve.admin import AdminSocket
-from pdwire.runtime.serve.config import ServeConfig
-from pdwire.runtime.serve.ranks import (
+from pdwire.serve.admin import AdminSocket
+from pdwire.serve.config import ServeConfig
+from pdwire.serve.ranks import (
     RankParts,
     build_rank,
     common_config,

@@ -3,10 +3,10 @@
 Serve moves a synthetic workload: a request's room id carries its prompt length
 (:mod:`.ranks`), prefill produces content for it, decode checks it on arrival. Everything about
 *which* memory that is (tensors, pools, content, verification) lives behind
-:class:`ServeMemory`, so the serve runtime depends on no model: a model registers a factory
+:class:`ServeMemory`, so serve depends on no model: a model registers a factory
 under a name (``memory: {model: NAME}`` in the config) with :func:`register_memory_model`.
-The demo's hybrid model registers itself as ``demo`` from the command layer
-(``pdwire serve``), never from here: the runtime must not import the demo.
+The demo's hybrid model is registered as ``demo`` by the command layer
+(:mod:`pdwire.serve_command`), never from here: the demo depends on serve, not the reverse.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pdwire.runtime.engine import Backend, RankMemory, RequestIndices
-    from pdwire.runtime.serve.config import MemorySettings
-
     from pdwire import wire
+    from pdwire.runtime.engine import Backend, RankMemory, RequestIndices
+    from pdwire.serve.config import MemorySettings
 
 
 class ServeRank(Protocol):

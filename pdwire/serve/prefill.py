@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdwire.discovery import Discovery
 from pdwire.runtime import engine as pd
-from pdwire.runtime.discovery import Discovery
-from pdwire.runtime.serve.config import ServeConfig
-from pdwire.runtime.serve.ranks import (
+from pdwire.serve.config import ServeConfig
+from pdwire.serve.ranks import (
     RankParts,
     build_rank,
     common_config,

@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pdwire import wire
+from pdwire.discovery import Geometry, RankEntry
 from pdwire.runtime import engine as pd
 from pdwire.runtime.backends.options import host_defaults
 from pdwire.runtime.control_auth import ControlAuth
-from pdwire.runtime.discovery import Geometry, RankEntry
-from pdwire.runtime.serve.config import ServeConfig
-from pdwire.runtime.serve.memory import ServeMemory, ServeRank, open_memory_model
-
-from pdwire import wire
+from pdwire.serve.config import ServeConfig
+from pdwire.serve.memory import ServeMemory, ServeRank, open_memory_model
 
 TOKEN_BITS = 16
 

@@ -20,7 +20,7 @@ replaced by the control plane.
 
 MoRI itself cannot be installed on this project's machines, so the adapter is exercised
 here over an in-process fake of MoRI's IO engine (``mori-fake``, in the demo package:
-:mod:`pdwire.runtime.demo.mori_fake`), never registered as a production backend.
+:mod:`pdwire.demo.mori_fake`), never registered as a production backend.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import pdwire.runtime.demo  # noqa: F401 - registers the demo's mori-fake backend, tested like the others
 import pytest
+
+from pdwire.demo import register_mori_fake
+
+register_mori_fake()  # the demo's backend, tested like the others
 
 # Keep UCX on loopback and NIXL quiet, in this process and in every peer process it spawns.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -18,12 +18,14 @@ import select
 import sys
 import time
 
-import pdwire.runtime.demo  # noqa: F401 - registers the demo's mori-fake backend
 from pdwire.runtime.backends import create_backend
+
+from pdwire.demo import register_mori_fake
 
 
 def main() -> None:
     name, nbytes = sys.argv[1], int(sys.argv[2])
+    register_mori_fake()
     b = create_backend(name, agent_name=f"target-{os.getpid()}")
     buf = b.allocate("dst", nbytes)
     b.register([buf.region()])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pdwire.runtime.demo  # noqa: F401 - registers mori-fake
 import pytest
 from pdwire.runtime.backends import create_backend
 from pdwire.runtime.backends.options import (

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from pdwire.runtime.discovery import Geometry, RankEntry, open_discovery
+from pdwire.discovery import Geometry, RankEntry, open_discovery
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
-from pdwire.runtime.discovery import (
+
+from pdwire.discovery import (
     Change,
     Discovery,
     EtcdDiscovery,
@@ -22,8 +23,7 @@ from pdwire.runtime.discovery import (
     Rejected,
     Restarted,
 )
-from pdwire.runtime.discovery.membership import RegistryBack, RegistryLost
-
+from pdwire.discovery.membership import RegistryBack, RegistryLost
 from tests.support.etcd_server import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]

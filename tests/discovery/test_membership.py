@@ -7,8 +7,9 @@ import contextlib
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.discovery import Geometry, Joined, Left, Membership, RankEntry, decode_entry, encode_entry
-from pdwire.runtime.discovery.membership import (
+
+from pdwire.discovery import Geometry, Joined, Left, Membership, RankEntry, decode_entry, encode_entry
+from pdwire.discovery.membership import (
     Change,
     Delete,
     Put,

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from pdwire.runtime.discovery import (
+
+from pdwire.discovery import (
     DiscoveryError,
     EtcdDiscovery,
     Joined,
@@ -14,7 +15,7 @@ from pdwire.runtime.discovery import (
     open_discovery,
     parse_engine_flag,
 )
-from pdwire.runtime.discovery.membership import RegistryBack, RegistryLost
+from pdwire.discovery.membership import RegistryBack, RegistryLost
 
 SHORT = """
 engines:

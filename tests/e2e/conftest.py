@@ -18,10 +18,6 @@ import pytest
 import zmq
 from pdwire.runtime.backends import Backend, available_backends
 from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.demo.cluster import Cluster, Group, RoomResult
-from pdwire.runtime.demo.content import RoomSlots, pages_for
-from pdwire.runtime.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
-from pdwire.runtime.demo.rank import model_fingerprint
 from pdwire.runtime.engine import (
     DecodeConfig,
     DecodeWorker,
@@ -32,6 +28,11 @@ from pdwire.runtime.engine import (
     PrefillWorker,
     Status,
 )
+
+from pdwire.demo.cluster import Cluster, Group, RoomResult
+from pdwire.demo.content import RoomSlots, pages_for
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.demo.rank import model_fingerprint
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from pdwire.runtime.demo.cluster import Cluster, RoomResult
-from pdwire.runtime.demo.content import pages_for
-from pdwire.runtime.demo.model import Capacity
 
 from pdwire import wire
+from pdwire.demo.cluster import Cluster, RoomResult
+from pdwire.demo.content import pages_for
+from pdwire.demo.model import Capacity
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 
 TIMEOUT = 4.0  # room timeout on every rank of this module

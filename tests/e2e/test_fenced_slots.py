@@ -17,9 +17,9 @@ import pytest
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import DONE, TransferHandle
 from pdwire.runtime.config import ConfigError
-from pdwire.runtime.demo.content import RoomSlots, fill, full_tensors, verify
 from pdwire.runtime.engine import DuplicateRoomError, Status
 
+from pdwire.demo.content import RoomSlots, fill, full_tensors, verify
 from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
 TOKENS = 40  # 10 pages: one KV chunk, two state components and aux, posted together

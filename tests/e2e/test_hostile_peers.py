@@ -15,8 +15,6 @@ import msgspec
 import pytest
 import zmq
 from pdwire.runtime.config import ParallelRank
-from pdwire.runtime.demo.content import fill, full_tensors
-from pdwire.runtime.demo.rank import model_fingerprint
 from pdwire.runtime.engine import Status
 from pdwire.runtime.session.failures import FailureKind
 from pdwire.runtime.session.hello import Identity
@@ -24,6 +22,8 @@ from pdwire.runtime.session.prefill_connection import PrefillConnection
 from pdwire.runtime.session.registration import register_info
 
 from pdwire import wire
+from pdwire.demo.content import fill, full_tensors
+from pdwire.demo.rank import model_fingerprint
 from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
 

@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from pdwire.runtime.demo.cluster import Cluster
-from pdwire.runtime.demo.content import pages_for
-from pdwire.runtime.demo.model import Capacity
 
+from pdwire.demo.cluster import Cluster
+from pdwire.demo.content import pages_for
+from pdwire.demo.model import Capacity
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 
 ROOM_S = 30.0  # far beyond the peer timeout (5 s): the loss, not the deadline, fails the room

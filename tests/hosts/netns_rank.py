@@ -1,4 +1,4 @@
-"""Demo rank processes (real PrefillWorker / DecodeWorker, :mod:`pdwire.runtime.demo.rank`) on the
+"""Demo rank processes (real PrefillWorker / DecodeWorker, :mod:`pdwire.demo.rank`) on the
 hosts of a :class:`~tests.support.netns.TwoHosts`, driven by a :class:`Cluster` like its own ranks.
 
     with Cluster(SPEC, CAP, backend) as cluster:
@@ -28,8 +28,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdwire.runtime.demo.cluster import Cluster, ClusterError, Group
-
+from pdwire.demo.cluster import Cluster, ClusterError, Group
 from tests.support.netns import Host, Proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,7 +122,7 @@ def start_on(
 
 
 def main() -> None:
-    from pdwire.runtime.demo.rank import rank_main
+    from pdwire.demo.rank import rank_main
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stack dump into the log, for a hang
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -22,10 +22,10 @@ from typing import cast
 
 import pytest
 from pdwire.runtime.backends import available_backends
-from pdwire.runtime.demo.cluster import Cluster
-from pdwire.runtime.demo.content import pages_for
-from pdwire.runtime.demo.model import Capacity
 
+from pdwire.demo.cluster import Cluster
+from pdwire.demo.content import pages_for
+from pdwire.demo.model import Capacity
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 from tests.hosts.netns_rank import RankProcess, start_on
 from tests.hosts.test_engines import ENGINES

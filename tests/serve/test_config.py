@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pdwire.runtime.serve.config import ServeConfigError, build_config, load_file
-from pdwire.runtime.serve.ranks import open_memory, room_id, tokens_of
+
+from pdwire.serve.config import ServeConfigError, build_config, load_file
+from pdwire.serve.ranks import open_memory, room_id, tokens_of
 
 
 def test_flags_over_environment_over_file(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from pdwire.runtime.serve.local_etcd import etcd_command
+from pdwire.demo.local_etcd import etcd_command
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 

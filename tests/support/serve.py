@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdwire.runtime.serve.admin import admin_call
-
+from pdwire.serve.admin import admin_call
 from tests.support.netns import Host, Proc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Real vLLM engines in child processes, driven request by request: for tests and benchmarks.
 
 Each :class:`Engine` is one vLLM engine (``vllm.LLM``) in a process of its own, started with
-``python -m pdwire.integrations.vllm.harness``. The engine core runs inside that process
+``python -m tests.vllm.harness``. The engine core runs inside that process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; TP 1 also runs its worker there, TP > 1 spawns vLLM's
 workers), which makes start-up one import of vLLM instead of three. The child steps the engine
 continuously, so a prefill engine keeps serving its KV connector after its requests finished,
@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: tests/ is a package there
 
 
 class EngineError(RuntimeError):
@@ -108,6 +110,8 @@ class Engine:
         if self.spec.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.cpus
         env.update(self.spec.env)
+        # the child runs this module as tests.vllm.harness, from whatever folder the caller runs in
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it from here
         try:
@@ -115,7 +119,7 @@ class Engine:
                 [
                     sys.executable,
                     "-m",
-                    "pdwire.integrations.vllm.harness",
+                    "tests.vllm.harness",
                     str(child.fileno()),
                     json.dumps(asdict(self.spec)),
                 ],

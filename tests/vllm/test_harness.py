@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdwire.integrations.vllm import harness as h
+from tests.vllm import harness as h
 
 
 def test_engine_shares_the_callers_session_in_a_process_group_of_its_own(tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ def test_every_module_outside_the_demo_imports_with_torch_unimportable() -> None
             for m in pkgutil.walk_packages(pkg.__path__, top + "."):
                 # the demo builds its caches with torch, an engine's plugin imports its engine
                 # (which imports torch); the runtime they are built on, serve included, never does
-                skip = ("pdwire.runtime.demo.", "pdwire.integrations.")
+                skip = ("pdwire.demo.", "pdwire.integrations.")
                 if m.name.startswith(skip) or m.name == "pdwire.__main__":
                     continue
                 importlib.import_module(m.name)

@@ -1,4 +1,5 @@
-"""pdwire inside vLLM: a KV connector, a proxy, and a harness that runs real engines.
+"""pdwire inside vLLM: a KV connector and a proxy (the harness that runs real engines is test
+tooling: ``tests/vllm/harness.py``).
 
 vLLM loads the connector by module path::
 
@@ -8,9 +9,7 @@ vLLM loads the connector by module path::
         "kv_role": "kv_producer",  # or "kv_consumer"
     }
 
-The connector is imported on first use, so ``pdwire.integrations.vllm.harness`` and
-``.tiny_models`` import without vLLM's engine code (they need vLLM only in the engine
-processes they start).
+The connector is imported on first use, so importing this package needs no vLLM.
 """
 
 from __future__ import annotations

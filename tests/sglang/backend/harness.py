@@ -408,7 +408,7 @@ class PrefillProcess:
         stall: bool = False,
     ) -> None:  # fmt: skip
         self.stderr_path = stderr_path
-        args = [sys.executable, "-m", "tests.sglang_backend.prefill_process", str(p), str(bootstrap_port),
+        args = [sys.executable, "-m", "tests.sglang.backend.prefill_process", str(p), str(bootstrap_port),
                 str(http_port), json.dumps(rooms), *(["stall"] if stall else [])]  # fmt: skip
         with stderr_path.open("w") as errors:
             self.proc = subprocess.Popen(

@@ -1,7 +1,7 @@
 """A prefill engine in its own process, for the multi-process tests: SGLang's bootstrap server and
 P prefill ranks (SGLang's pools, KVArgs and managers), driven like SGLang's prefill scheduler.
 
-``python -m tests.sglang_backend.prefill_process P BOOTSTRAP_PORT HTTP_PORT ROOMS_JSON [stall]``
+``python -m tests.sglang.backend.prefill_process P BOOTSTRAP_PORT HTTP_PORT ROOMS_JSON [stall]``
 prints ``READY`` once every rank registered and ``DONE <json outcomes>`` when every room finished.
 With ``stall`` it sends each room's first chunk only, prints ``SENT <room>`` once the room is
 Transferring on every rank, and then waits (up to 10 minutes) for the test to kill it: a
@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore")
 
 def _stall(pair: Any, rooms: dict[int, int]) -> None:
     """SGLang's prefill scheduler up to the first chunk of each room, then nothing more."""
-    from tests.sglang_backend import harness as h
+    from tests.sglang.backend import harness as h
 
     KVPoll = pair.sg["KVPoll"]
     for room, seq_len in rooms.items():
@@ -55,8 +55,8 @@ def main() -> None:
     load_plugins()
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    from tests.sglang_backend import harness as h
-    from tests.sglang_backend.test_transfer import _prefill_engine
+    from tests.sglang.backend import harness as h
+    from tests.sglang.backend.test_transfer import _prefill_engine
 
     backend = TransferBackend("pdwire")
     server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=bootstrap_port)

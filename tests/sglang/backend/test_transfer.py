@@ -33,7 +33,7 @@ import pytest
 
 warnings.filterwarnings("ignore")
 
-from tests.sglang_backend import harness as h  # noqa: E402
+from tests.sglang.backend import harness as h  # noqa: E402
 
 pytest.importorskip("nixl")
 

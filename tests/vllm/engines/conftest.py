@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from pdwire import wire
-from pdwire.integrations.vllm import harness as h
-from pdwire.integrations.vllm import tiny_models as tm
+from tests.vllm import harness as h
+from tests.vllm import tiny_models as tm
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

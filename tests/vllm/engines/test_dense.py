@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pdwire.integrations.vllm import harness as h
-from pdwire.integrations.vllm import tiny_models as tm
-from tests.vllm.conftest import (
+from tests.vllm import harness as h
+from tests.vllm import tiny_models as tm
+from tests.vllm.engines.conftest import (
     MAX_TOKENS,
     PDWIRE_ENV,
     PROMPT_LEN,
