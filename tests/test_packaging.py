@@ -1,4 +1,4 @@
-"""The distribution maps every folder into the pdwire namespace and lists every sub-package."""
+"""The distribution maps every folder into the pdwire namespace and lists every package on disk."""
 
 from __future__ import annotations
 
@@ -29,13 +29,15 @@ def _packages_on_disk(package_dir: dict[str, str]) -> set[str]:
     return found
 
 
-def test_every_subpackage_on_disk_is_listed() -> None:
+def test_the_packages_list_is_the_packages_on_disk() -> None:
+    # setuptools' `find` cannot see through the folder map, so pyproject lists the packages; the
+    # expectation is the disk, and a failure prints the list to paste
     tool = _setuptools_config()
     package_dir = tool["package-dir"]
     assert isinstance(package_dir, dict)
-    listed = set(tool["packages"])  # type: ignore[call-overload]
-    missing = _packages_on_disk(package_dir) - listed
-    assert not missing, f"sub-packages on disk but not in pyproject's packages list: {sorted(missing)}"
+    on_disk = sorted(_packages_on_disk(package_dir))
+    listing = "".join(f'    "{name}",\n' for name in on_disk)
+    assert tool["packages"] == on_disk, f"pyproject's [tool.setuptools] packages should read:\n[\n{listing}]"
 
 
 def test_nothing_is_installed_outside_the_pdwire_namespace() -> None:

@@ -77,6 +77,25 @@ def test_without_torch_the_demo_names_the_extra_in_one_line() -> None:
     assert "torch==2.13.0" in line and "cpu" in line
 
 
+def test_the_demo_registers_its_backend_only_when_asked() -> None:
+    # importing every demo module (and the serve command's glue) registers nothing; the demo's
+    # command, its rank processes and `pdwire serve` call register_mori_fake() where they pick one
+    code = (
+        "import importlib, pkgutil, pdwire.demo as demo\n"
+        "from pdwire.runtime.backends.registry import known_backends\n"
+        "for m in pkgutil.iter_modules(demo.__path__):\n"
+        "    importlib.import_module(f'pdwire.demo.{m.name}')\n"
+        "importlib.import_module('pdwire.serve_command')\n"
+        "before = 'mori-fake' in known_backends()\n"
+        "demo.register_mori_fake()\n"
+        "print(before, 'mori-fake' in known_backends())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["False", "True"]
+
+
 def test_version() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pdwire", "--version"], capture_output=True, text=True, timeout=60, check=False
