@@ -20,17 +20,7 @@ from typing import Any, Final
 
 Version = tuple[int, int]
 
-VERSIONS: Final[tuple[Version, ...]] = (
-    (1, 0),
-    (1, 1),
-    (1, 2),
-    (1, 3),
-    (1, 4),
-    (1, 5),
-    (1, 6),
-    (1, 7),
-    (1, 8),
-)
+VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4))
 
 # message -> the version it appeared in
 MESSAGES: Final[dict[str, Version]] = {
@@ -129,10 +119,10 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterInfo", "kv_page_stride"): (1, 4),
     ("RegisterInfo", "k_page_offset"): (1, 4),
     ("RegisterInfo", "v_page_offset"): (1, 4),
-    ("RegisterInfo", "kv_head_stride"): (1, 6),
-    ("RegisterInfo", "scatter_base"): (1, 8),
-    ("RegisterInfo", "scatter_len"): (1, 8),
-    ("RegisterInfo", "scatter_mem_descs"): (1, 8),
+    ("RegisterInfo", "kv_head_stride"): (1, 4),
+    ("RegisterInfo", "scatter_base"): (1, 4),
+    ("RegisterInfo", "scatter_len"): (1, 4),
+    ("RegisterInfo", "scatter_mem_descs"): (1, 4),
     ("TransferRequest", "room"): (1, 0),
     ("TransferRequest", "sender"): (1, 0),
     ("TransferRequest", "dst_kv_indices"): (1, 0),
@@ -142,9 +132,9 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("TransferRequest", "decode_prefix_len"): (1, 0),
     ("TransferRequest", "is_dummy"): (1, 0),
     ("TransferRequest", "state_indices"): (1, 1),
-    ("TransferRequest", "scatter_offset"): (1, 8),
-    ("TransferRequest", "scatter_page_bytes"): (1, 8),
-    ("TransferRequest", "scatter_pages"): (1, 8),
+    ("TransferRequest", "scatter_offset"): (1, 4),
+    ("TransferRequest", "scatter_page_bytes"): (1, 4),
+    ("TransferRequest", "scatter_pages"): (1, 4),
     ("TransferStatus", "room"): (1, 0),
     ("TransferStatus", "status"): (1, 0),
     ("TransferStatus", "sender_rank"): (1, 0),
@@ -157,11 +147,11 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("Notification", "sender_rank"): (1, 0),
     ("Notification", "component"): (1, 0),
     ("Notification", "expected_consumers"): (1, 0),
-    ("Notification", "chunk_count"): (1, 5),
-    ("Notification", "also_components"): (1, 5),
-    ("Notification", "also_aux"): (1, 5),
-    ("Notification", "scatter_first_page"): (1, 8),
-    ("Notification", "scatter_pages"): (1, 8),
+    ("Notification", "chunk_count"): (1, 4),
+    ("Notification", "also_components"): (1, 4),
+    ("Notification", "also_aux"): (1, 4),
+    ("Notification", "scatter_first_page"): (1, 4),
+    ("Notification", "scatter_pages"): (1, 4),
     ("Abort", "room"): (1, 0),
     ("Abort", "sender"): (1, 0),
     ("Abort", "reason"): (1, 0),
@@ -171,9 +161,9 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterAck", "sender_rank"): (1, 2),
     ("RegisterAck", "failure_kind"): (1, 2),
     ("RegisterAck", "reason"): (1, 2),
-    ("RegisterAck", "kv_layers"): (1, 7),
-    ("RegisterAck", "state_layers"): (1, 7),
-    ("RegisterAck", "kv_heads"): (1, 8),
+    ("RegisterAck", "kv_layers"): (1, 4),
+    ("RegisterAck", "state_layers"): (1, 4),
+    ("RegisterAck", "kv_heads"): (1, 4),
 }
 
 # (message, field) -> the version writers stopped sending it in

@@ -183,9 +183,7 @@ def _v1_RegisterInfo(v: int) -> st.SearchStrategy[v1.RegisterInfo]:
         fields["kv_page_stride"] = st.integers(0, 18446744073709551615)
         fields["k_page_offset"] = st.integers(0, 18446744073709551615)
         fields["v_page_offset"] = st.integers(0, 18446744073709551615)
-    if v >= 6:
         fields["kv_head_stride"] = st.integers(0, 18446744073709551615)
-    if v >= 8:
         fields["scatter_base"] = st.integers(0, 18446744073709551615)
         fields["scatter_len"] = st.integers(0, 18446744073709551615)
         fields["scatter_mem_descs"] = st.lists(_blob, max_size=4)
@@ -203,7 +201,7 @@ def _v1_TransferRequest(v: int) -> st.SearchStrategy[v1.TransferRequest]:
     fields["is_dummy"] = st.booleans()
     if v >= 1:
         fields["state_indices"] = st.lists(st.none() | _array(_a.I32), max_size=4)
-    if v >= 8:
+    if v >= 4:
         fields["scatter_offset"] = st.integers(-9223372036854775808, 9223372036854775807)
         fields["scatter_page_bytes"] = st.integers(0, 18446744073709551615)
         fields["scatter_pages"] = st.integers(0, 4294967295)
@@ -230,11 +228,10 @@ def _v1_Notification(v: int) -> st.SearchStrategy[v1.Notification]:
     fields["sender_rank"] = st.integers(0, 4294967295)
     fields["component"] = st.integers(0, 4294967295)
     fields["expected_consumers"] = st.integers(0, 4294967295)
-    if v >= 5:
+    if v >= 4:
         fields["chunk_count"] = st.integers(0, 4294967295)
         fields["also_components"] = _array(_a.U32)
         fields["also_aux"] = st.booleans()
-    if v >= 8:
         fields["scatter_first_page"] = st.integers(0, 4294967295)
         fields["scatter_pages"] = st.integers(0, 4294967295)
     return st.builds(v1.Notification, **fields)
@@ -262,10 +259,9 @@ def _v1_RegisterAck(v: int) -> st.SearchStrategy[v1.RegisterAck]:
         fields["sender_rank"] = st.integers(0, 4294967295)
         fields["failure_kind"] = _enum(v1.FailureKind, v)
         fields["reason"] = _text
-    if v >= 7:
+    if v >= 4:
         fields["kv_layers"] = _array(_a.U32)
         fields["state_layers"] = st.lists(_array(_a.U32), max_size=4)
-    if v >= 8:
         fields["kv_heads"] = st.none() | _v1_HeadSharding(v)
     return st.builds(v1.RegisterAck, **fields)
 
@@ -318,45 +314,5 @@ STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]
         "Abort": lambda: _v1_Abort(4),
         "AbortAck": lambda: _v1_AbortAck(4),
         "RegisterAck": lambda: _v1_RegisterAck(4),
-    },
-    (1, 5): {
-        "Hello": lambda: _v1_Hello(5),
-        "RegisterInfo": lambda: _v1_RegisterInfo(5),
-        "TransferRequest": lambda: _v1_TransferRequest(5),
-        "TransferStatus": lambda: _v1_TransferStatus(5),
-        "Notification": lambda: _v1_Notification(5),
-        "Abort": lambda: _v1_Abort(5),
-        "AbortAck": lambda: _v1_AbortAck(5),
-        "RegisterAck": lambda: _v1_RegisterAck(5),
-    },
-    (1, 6): {
-        "Hello": lambda: _v1_Hello(6),
-        "RegisterInfo": lambda: _v1_RegisterInfo(6),
-        "TransferRequest": lambda: _v1_TransferRequest(6),
-        "TransferStatus": lambda: _v1_TransferStatus(6),
-        "Notification": lambda: _v1_Notification(6),
-        "Abort": lambda: _v1_Abort(6),
-        "AbortAck": lambda: _v1_AbortAck(6),
-        "RegisterAck": lambda: _v1_RegisterAck(6),
-    },
-    (1, 7): {
-        "Hello": lambda: _v1_Hello(7),
-        "RegisterInfo": lambda: _v1_RegisterInfo(7),
-        "TransferRequest": lambda: _v1_TransferRequest(7),
-        "TransferStatus": lambda: _v1_TransferStatus(7),
-        "Notification": lambda: _v1_Notification(7),
-        "Abort": lambda: _v1_Abort(7),
-        "AbortAck": lambda: _v1_AbortAck(7),
-        "RegisterAck": lambda: _v1_RegisterAck(7),
-    },
-    (1, 8): {
-        "Hello": lambda: _v1_Hello(8),
-        "RegisterInfo": lambda: _v1_RegisterInfo(8),
-        "TransferRequest": lambda: _v1_TransferRequest(8),
-        "TransferStatus": lambda: _v1_TransferStatus(8),
-        "Notification": lambda: _v1_Notification(8),
-        "Abort": lambda: _v1_Abort(8),
-        "AbortAck": lambda: _v1_AbortAck(8),
-        "RegisterAck": lambda: _v1_RegisterAck(8),
     },
 }

@@ -285,7 +285,7 @@ class DecodeConfig(WorkerConfig):
 
     ``scatter_bytes``: the receive staging buffer (allocated and registered at start; 0 turns
     decode-side scatter off). A room reserves a range of it per prefill rank for its first pages;
-    prefill ranks that agreed on 1.8 may write those pages' KV there in few large rows, and this
+    prefill ranks that agreed on 1.4 may write those pages' KV there in few large rows, and this
     rank copies them into place (NHD from a larger prefill TP: one engine row per token and
     layer otherwise)."""
 

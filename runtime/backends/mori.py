@@ -132,7 +132,7 @@ class MoriBackend(Backend):
                 f"peer {md.agent_name!r} sent {len(mdescs)} memory descriptors for {len(md.regions)} regions"
             )
         # Fewer descriptors than regions: the peer describes its first regions only (a decode
-        # rank at protocol 1.7 leaves out its receive staging buffer): the rest is not writable.
+        # rank at protocol 1.3 leaves out its receive staging buffer): the rest is not writable.
         regions = md.regions[: len(mdescs)]
         for i, (d, r) in enumerate(zip(mdescs, regions, strict=True)):
             if d.data != r.base or d.size != r.length:

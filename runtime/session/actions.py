@@ -52,7 +52,7 @@ class KvPart:
     dst: I32 = field(default_factory=_no_indices, compare=False, repr=False)
     dst_first: int = field(default=0, compare=False)  # where ``dst`` starts in the room's page list
     # (offset in the decode rank's receive staging buffer, bytes per page) where these pages may
-    # be written for decode to scatter (protocol 1.8); (-1, 0): only in place
+    # be written for decode to scatter (protocol 1.4); (-1, 0): only in place
     scatter_at: tuple[int, int] = field(default=(-1, 0), compare=False)
 
 

@@ -42,9 +42,8 @@ from pdwire.runtime.session.events import (
 )
 from pdwire.runtime.session.failures import Failure, HandshakeError, failure_from_wire
 from pdwire.runtime.session.hello import (
+    LAYOUTS_SINCE,
     REGISTER_ACK_SINCE,
-    SCATTER_SINCE,
-    STAGE_LAYERS_SINCE,
     check_descriptors,
     check_hello,
 )
@@ -121,7 +120,7 @@ class DecodeConnection:
         self.position: ParallelRank | None = None
         self.refusal: str | None = None
         self._registration: wire.RegisterInfo | None = None  # the first RegisterInfo, once sent
-        # from the RegisterAck (1.8): the prefill rank's KV head geometry and layers, from which
+        # from the RegisterAck (1.4): the prefill rank's KV head geometry and layers, from which
         # this rank computes where its staged bytes go (None: it sent none, it does not scatter)
         self.prefill_heads: HeadGeometry | None = None
         self.prefill_kv_layers: tuple[int, ...] = ()
@@ -275,11 +274,11 @@ class DecodeConnection:
             return self._refuse(f"prefill {self.peer.engine_id!r} refused the registration: {why.reason}")
         self.state = DecodeConnState.READY
         layers = None
-        if self.version >= STAGE_LAYERS_SINCE and isinstance(msg, wire.RegisterAck):
+        if self.version >= LAYOUTS_SINCE and isinstance(msg, wire.RegisterAck):
             state = tuple(tuple(ids.tolist()) for ids in msg.state_layers)
             layers = HeldLayers(tuple(msg.kv_layers.tolist()), state)
             self.prefill_kv_layers = layers.kv
-        if self.version >= SCATTER_SINCE and isinstance(msg, wire.RegisterAck) and msg.kv_heads is not None:
+        if self.version >= LAYOUTS_SINCE and isinstance(msg, wire.RegisterAck) and msg.kv_heads is not None:
             try:
                 self.prefill_heads = heads_from_wire(msg.kv_heads)
             except ValueError:  # a value outside the enum: no scatter from this rank
@@ -307,7 +306,7 @@ class DecodeConnection:
         self, a: SendRequest, scatter: tuple[int, int, int] | None = None
     ) -> wire.TransferRequest:
         """``scatter``: the room's receive staging range for this rank (offset, bytes per page,
-        pages), only for a peer that agreed on 1.8."""
+        pages), only for a peer that agreed on 1.4."""
         r = a.indices
         empty = np.zeros(0, dtype=np.int32)
         offset, page_bytes, pages = (-1, 0, 0) if scatter is None else scatter

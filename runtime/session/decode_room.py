@@ -31,7 +31,7 @@ while the link is down, yet reports the write done), ``status_completes`` lets a
 Success status stand for every part it owes: a prefill rank sends Success only once each of
 its writes to this rank completed, so the bytes are there even when a notification is not.
 
-From protocol 1.5 one notification may complete several parts (one engine write carried them):
+From protocol 1.4 one notification may complete several parts (one engine write carried them):
 a run of KV chunks (``chunk_count``), further state components (``also_components``) and aux
 (``also_aux``). It is accounted exactly as its parts one by one in that order (KV chunks
 ascending, ``is_last`` on the last of them), so a multi-part notification and the single ones
@@ -160,7 +160,7 @@ class DecodeRoom:
         also_components: Sequence[int] = (),
         also_aux: bool = False,
     ) -> list[Action]:
-        """A completion: one part, or (protocol 1.5) several parts one engine write carried."""
+        """A completion: one part, or (protocol 1.4) several parts one engine write carried."""
         if self.finished:
             return []
         problem = self._check_count(sender, kind, chunk_count)

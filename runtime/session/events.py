@@ -81,7 +81,7 @@ class Ready:
     peer: PeerRef
     position: ParallelRank
     version: tuple[int, int]
-    layers: HeldLayers | None = None  # the layers it holds (from 1.7; None: an older peer)
+    layers: HeldLayers | None = None  # the layers it holds (from 1.4; None: an older peer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +109,11 @@ class Completed:
     chunk_id: int
     is_last: bool
     component: int
-    # protocol 1.5: the same write completed these parts too (see DecodeRoom.on_notification)
+    # protocol 1.4: the same write completed these parts too (see DecodeRoom.on_notification)
     chunk_count: int = 1
     also_components: tuple[int, ...] = ()
     also_aux: bool = False
-    # protocol 1.8: KV pages [scatter_first, + scatter_pages) of the room's page list were
+    # protocol 1.4: KV pages [scatter_first, + scatter_pages) of the room's page list were
     # written to its receive staging range, for this rank to copy into place first
     scatter_first: int = 0
     scatter_pages: int = 0

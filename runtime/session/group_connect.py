@@ -7,7 +7,7 @@ same decode agent at the same moment left one's writes pending until their timeo
 that the ranks are one group, and holds the rooms asked of the group before it is ready.
 
 ``CONNECTING`` -> ``READY`` (every rank registered, all of one engine and DP group, and, when
-every rank named the layers it holds (1.7), its PP stages hold each of this rank's layers once:
+every rank named the layers it holds (1.4), its PP stages hold each of this rank's layers once:
 :mod:`.stage_layers`) or ``FAILED`` (a rank refused, the handshake deadline passed, or the ranks
 are not one group or leave layers unwritten).
 A held room waits inside its own deadline: it starts when the group becomes ready, and fails
@@ -137,7 +137,7 @@ class GroupConnect:
     def on_link_ready(
         self, key: tuple[int, int], identity: GroupIdentity, layers: HeldLayers | None = None
     ) -> list[GroupAction]:
-        """Rank ``key`` registered; ``layers``: the layers it holds (None: a peer before 1.7)."""
+        """Rank ``key`` registered; ``layers``: the layers it holds (None: a peer before 1.4)."""
         if self.state is not GroupState.CONNECTING or key != self._open:
             return []
         if self.identity is not None and identity != self.identity:
@@ -160,7 +160,7 @@ class GroupConnect:
 
     def _layer_problem(self) -> str | None:
         """Whether the group's stages hold this rank's layers exactly once; checked only when
-        every rank named its layers (a group with an older rank is taken as before 1.7)."""
+        every rank named its layers (a group with an older rank is taken as before 1.4)."""
         held = self._layers.values()
         if self.own_layers is None or any(h is None for h in held):
             return None

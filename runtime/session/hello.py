@@ -79,13 +79,10 @@ DESCRIPTORS_SINCE = features.field_since("StateComponent", "mem_descs")
 SELF_DESCRIBING_SINCE = features.field_since("StateComponent", "tensor_names")  # and aux_mem_descs
 REGISTER_ACK_SINCE = features.message_since("RegisterAck")
 FENCE_SINCE = features.promise_since("fenced_failures")  # Failed and AbortAck certify writes stopped
-# item layouts, any sharded state axis, SGLang's state kinds and row indexing
+# 1.4, one gate for all it added: item layouts and the KV head stride, any sharded state axis,
+# SGLang's state kinds and row indexing, aliased registrations, every MLA prefill rank writing
+# its state shard, several parts in one write, the layers a prefill rank holds, decode-side scatter
 LAYOUTS_SINCE = features.field_since("StateComponent", "tensor_layouts")
-SHARDED_STATE_WRITERS_SINCE = features.promise_since("sharded_state_from_every_rank")  # MLA, P > D
-ALIASING_SINCE = features.promise_since("aliased_registrations")
-MERGED_PARTS_SINCE = features.field_since("Notification", "chunk_count")  # one write, several parts
-STAGE_LAYERS_SINCE = features.field_since("RegisterAck", "kv_layers")  # layers a prefill rank holds
-SCATTER_SINCE = features.field_since("RegisterInfo", "scatter_base")  # decode-side scatter
 
 
 def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:

@@ -3,7 +3,7 @@
 The prefill session emits one :class:`~.actions.PostTransfer` per part. Parts of one room for
 one decode rank that are ready in the same batch (a chunk's KV and the last chunk's state and
 aux; the chunks produced before the last request arrived) complete together, so from protocol
-1.5 they go as one engine write whose one notification names them all (``chunk_count``,
+1.4 they go as one engine write whose one notification names them all (``chunk_count``,
 ``also_components``, ``also_aux``). One notification carries one run of consecutive KV chunks,
 so a run ends where a chunk id skips.
 

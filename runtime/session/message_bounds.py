@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 from pdwire.runtime.planner import Indexing, RankMemory
-from pdwire.runtime.session.hello import SCATTER_SINCE
+from pdwire.runtime.session.hello import LAYOUTS_SINCE
 
 from pdwire import wire
 from pdwire.wirecore.header import parse_header
@@ -89,7 +89,7 @@ def _encoded(version: tuple[int, int], sender: str, kv: int, state: Sequence[int
         is_dummy=True,
         state_indices=[ids(n) for n in state],
     )
-    if version >= SCATTER_SINCE:  # the receive staging range: fixed-size integers at their widest
+    if version >= LAYOUTS_SINCE:  # the receive staging range: fixed-size integers at their widest
         probe.scatter_offset, probe.scatter_page_bytes, probe.scatter_pages = I64_MIN, U64_MAX, U32_MAX
     try:
         return wire.encode(probe, version)

@@ -54,10 +54,8 @@ from pdwire.runtime.session.events import (
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_to_wire
 from pdwire.runtime.session.hello import (
-    MERGED_PARTS_SINCE,
+    LAYOUTS_SINCE,
     REGISTER_ACK_SINCE,
-    SCATTER_SINCE,
-    STAGE_LAYERS_SINCE,
     check_descriptors,
     check_hello,
 )
@@ -107,7 +105,7 @@ class PrefillConnection:
         self.version: tuple[int, int] | None = None
         self.peer: PeerRef | None = None  # from the peer's Hello
         self.plan: PeerPlan | None = None  # once registered
-        # the peer's receive staging buffer (base, length), from a 1.8 registration; (0, 0): none
+        # the peer's receive staging buffer (base, length), from a 1.4 registration; (0, 0): none
         self.scatter: tuple[int, int] = (0, 0)
         self._pending_scatter: tuple[int, int] = (0, 0)
         self.refusal: str | None = None
@@ -206,7 +204,7 @@ class PrefillConnection:
         older version, none given, or a descriptor count that does not match the other regions'
         (the peer then gets direct writes only; nothing else depends on the buffer)."""
         assert self.version is not None
-        if self.version < SCATTER_SINCE or not info.scatter_len or not info.scatter_base:
+        if self.version < LAYOUTS_SINCE or not info.scatter_len or not info.scatter_base:
             return (0, 0)
         if len(info.scatter_mem_descs) != (1 if descs else 0):
             return (0, 0)
@@ -252,11 +250,10 @@ class PrefillConnection:
         rank = self.local.sender_rank
         if self.version is not None and self.version >= REGISTER_ACK_SINCE:
             layers: dict[str, Any] = {}
-            if failure is None and self.version >= STAGE_LAYERS_SINCE:
+            if failure is None and self.version >= LAYOUTS_SINCE:
                 held = HeldLayers.of(self.local.memory)  # decode checks its PP stages with them
                 layers["kv_layers"] = np.asarray(held.kv, np.uint32)
                 layers["state_layers"] = [np.asarray(ids, np.uint32) for ids in held.state]
-            if failure is None and self.version >= SCATTER_SINCE:
                 layers["kv_heads"] = kv_heads_to_wire(self.local.memory)  # decode scatters with it
             return wire.RegisterAck(
                 accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason, **layers
@@ -361,8 +358,8 @@ class PrefillConnection:
 
     @property
     def merges_parts(self) -> bool:
-        """Whether this peer reads a notification naming several parts (protocol 1.5)."""
-        return self.version is not None and self.version >= MERGED_PARTS_SINCE
+        """Whether this peer reads a notification naming several parts (protocol 1.4)."""
+        return self.version is not None and self.version >= LAYOUTS_SINCE
 
     def merged_notification(self, room: int, parts: Sequence[Part]) -> wire.Notification:
         """One notification for ``parts`` of one write (a run of :func:`.merging.runs`): its KV

@@ -64,7 +64,7 @@ class Destination:
     state: tuple[I32, ...] = ()
     aux_index: int = -1
     skip_pages: int = 0
-    # protocol 1.8: the decode rank's receive staging range for this room (offset, bytes per page,
+    # protocol 1.4: the decode rank's receive staging range for this room (offset, bytes per page,
     # pages): KV chunks inside its first pages may be written there for decode to scatter
     scatter: tuple[int, int, int] | None = None
 

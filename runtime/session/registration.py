@@ -26,7 +26,7 @@ alias one registration carry its blob each; the join keeps one per registration.
 From 1.4 a registration also says where items lie (a KV page stride, K and V offsets inside a
 page; per state tensor a slot stride and offset), how a slot is shaped around its TP-sharded
 axis (rows before it), which tensors are replicated inside an axis-sharded component, and
-SGLang 0.5.23's state kinds and row indexing; from 1.6 the stride between the heads of a
+SGLang 0.5.23's state kinds and row indexing, and the stride between the heads of a
 head-major KV page (vLLM's CPU attention: each head's K, then its V). A peer that agreed on an
 older version cannot describe these, so :func:`check_layout_version` refuses it by name before
 anything is planned (:func:`register_info` refuses the same for its own memory); the codec's
@@ -56,13 +56,7 @@ from pdwire.runtime.planner import (
     region_index,
 )
 from pdwire.runtime.session.failures import HandshakeError, RegistrationMismatch
-from pdwire.runtime.session.hello import (
-    ALIASING_SINCE,
-    LAYOUTS_SINCE,
-    SCATTER_SINCE,
-    SELF_DESCRIBING_SINCE,
-    SHARDED_STATE_WRITERS_SINCE,
-)
+from pdwire.runtime.session.hello import LAYOUTS_SINCE, SELF_DESCRIBING_SINCE
 from pdwire.wire import features
 
 from pdwire import wire
@@ -244,9 +238,7 @@ def layout_needs(memory: RankMemory, *, own_layout: bool) -> list[tuple[tuple[in
     if own_layout:
         idx = region_index(memory)
         if idx.aliased:
-            out.append(
-                (ALIASING_SINCE, f"aliased registrations ({idx.count} registrations for more buffers)")
-            )
+            out.append((LAYOUTS_SINCE, f"aliased registrations ({idx.count} registrations for more buffers)"))
     return out
 
 
@@ -269,10 +261,10 @@ def check_layout_version(
     needs = [(since, what) for since, what in layout_needs(memory, own_layout=own_layout) if since > version]
     kv = memory.kv
     mla_writers = kv is not None and kv.is_mla and prefill_tp > decode_tp and has_tp_sharded_state(memory)
-    if mla_writers and version < SHARDED_STATE_WRITERS_SINCE:
+    if mla_writers and version < LAYOUTS_SINCE:
         needs.append(
             (
-                SHARDED_STATE_WRITERS_SINCE,
+                LAYOUTS_SINCE,
                 f"MLA with TP-sharded state from prefill TP {prefill_tp} to decode TP {decode_tp} "
                 "(every prefill rank writes its state shard)",
             )
@@ -325,7 +317,7 @@ def register_info(
     for older peers, which borrow the structure from their own model). ``geometry`` is the
     rank's full position (CP and DP included); by default the TP and PP of ``memory.position``.
     ``scatter`` is the receive staging buffer (base, length), registered after the planner's
-    regions (its descriptor is the last of ``region_descs``); advertised from 1.8.
+    regions (its descriptor is the last of ``region_descs``); advertised from 1.4.
     """
     kv = memory.kv
     if kv is None:
@@ -341,7 +333,7 @@ def register_info(
     scatter_descs: list[bytes] = []
     if scatter[1] and region_descs:
         region_descs, scatter_descs = region_descs[:-1], [bytes(region_descs[-1])]
-    if version < SCATTER_SINCE:
+    if version < LAYOUTS_SINCE:
         scatter, scatter_descs = (0, 0), []
     kv_descs, comp_descs = _split_region_descs(memory, region_descs)
     comps = []

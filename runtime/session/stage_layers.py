@@ -3,7 +3,7 @@
 Every prefill rank writes its own layers into the decode layers of the same global id; the
 decode rank cannot see those ids in the bytes. A stage that reports a wrong start layer (or
 state layer ids) writes another stage's layers twice and leaves some of decode's layers
-unwritten, and every room still succeeds. So from 1.7 each prefill rank names the layers it
+unwritten, and every room still succeeds. So from 1.4 each prefill rank names the layers it
 holds in its RegisterAck, and the decode rank checks the whole group once every rank of it
 registered (:func:`coverage_problem`); a group that fails the check is refused by name.
 """

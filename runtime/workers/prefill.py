@@ -651,7 +651,7 @@ class PrefillWorker:
 
     def _post_group(self, posts: list[PostTransfer]) -> None:
         """Plan and post parts of one room for one peer (:func:`.merging.group_posts`): to a peer
-        reading multi-part notifications (1.5), each run of them goes as one engine write."""
+        reading multi-part notifications (1.4), each run of them goes as one engine write."""
         a = posts[0]
         # Checked now, at this post: an earlier action of the same batch may have failed the
         # room, or the rank stalled (stopped, starved) past the room's deadline meanwhile.

@@ -12,7 +12,7 @@ frees; one that never could goes direct.
 
 A gather needs nothing of the decode rank, at any protocol version. Decode-side scatter (NHD
 from a larger prefill TP: whole source rows, strided destinations) needs a decode rank that
-agreed on 1.8 and reserved a range of its receive staging buffer for the room
+agreed on 1.4 and reserved a range of its receive staging buffer for the room
 (:meth:`Stager.scatter`): the KV rows are then written there in the decode rank's destination
 order, few and large, and the decode rank copies them into place
 (:mod:`pdwire.runtime.workers.scatter`).

@@ -156,7 +156,7 @@ def test_a_pp_and_tp_prefill_engine_feeds_one_decode_rank_layer_by_layer() -> No
         }
         # KV and state from every rank; aux only from the first TP rank of the last stage
         assert parts == {(0, 0): 2, (1, 0): 2, (0, 1): 3, (1, 1): 2}
-        # all of them ready at once: one engine write per rank (protocol 1.5)
+        # all of them ready at once: one engine write per rank (protocol 1.4)
         assert [w.stats.posts for w in prefills] == [1, 1, 1, 1]
     finally:
         close(dec, prefills, [*mems, dm])
@@ -261,7 +261,7 @@ def test_decode_declines_rooms_it_never_started_and_abort_leaves_them_alone() ->
 
 
 def test_pp_stages_that_leave_decode_layers_unwritten_are_refused_at_connect() -> None:
-    # stage 1 reports the wrong start layer: layers 0 and 1 twice, 2 and 3 never (before 1.7
+    # stage 1 reports the wrong start layer: layers 0 and 1 twice, 2 and 3 never (before 1.4
     # every room of this group succeeded with decode's layers 2 and 3 never written)
     prefills, mems = [], []
     for stage in range(2):

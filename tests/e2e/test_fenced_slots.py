@@ -55,7 +55,7 @@ def test_slots_of_an_aborted_room_are_released_after_prefill_stopped_and_reused_
     with worker_pair(pb) as p:
         slots = room_slots(TOKENS)
         start(p, 7, slots)
-        # KV, Mamba, SWA, aux: one write (protocol 1.5), posted, held on the engine's thread
+        # KV, Mamba, SWA, aux: one write (protocol 1.4), posted, held on the engine's thread
         assert p.pre.transfers_in_flight == 1 and p.pre.stats.merged_parts == 3
         p.dec.abort(7, "the engine gave up on it")
         assert p.events == ["decode finished 7 FAILED"]  # the engine learns at once (it may retry)

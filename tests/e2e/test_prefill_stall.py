@@ -32,8 +32,8 @@ class StallsAfterFirstPost(LocalBackend):
 
 def test_a_rank_that_stalls_mid_batch_past_the_deadline_posts_nothing_more() -> None:
     pb = StallsAfterFirstPost(agent_name="pre")
-    # decode speaks 1.4: each part is a post of its own (at 1.5 the batch would be one write)
-    with worker_pair(pb, prefill_kw={"room_timeout_s": ROOM_S}, decode_versions=((1, 4),)) as p:
+    # decode speaks 1.3: each part is a post of its own (at 1.4 the batch would be one write)
+    with worker_pair(pb, prefill_kw={"room_timeout_s": ROOM_S}, decode_versions=((1, 3),)) as p:
         tokens = 40  # one KV chunk, two state components and aux: four posts in one batch
         src = room_slots(tokens)
         fill(p.pc, src, full_tensors(SPEC, 1, 9, tokens))

@@ -37,7 +37,7 @@ from pdwire.runtime.session.events import (
     StatusReceived,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, failure_from_wire
-from pdwire.runtime.session.hello import STAGE_LAYERS_SINCE, Identity
+from pdwire.runtime.session.hello import LAYOUTS_SINCE, Identity
 from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillConnState, PrefillLocal
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
@@ -136,8 +136,8 @@ def test_the_handshake_agrees_on_the_lower_version_and_answers_in_its_form(
         agreed,
     ]  # everything after the Hellos at the agreed version
     ready = [e for e in h.decode_events if isinstance(e, Ready)]
-    # from 1.7 the prefill rank names the layers it holds
-    layers = HeldLayers.of(h.p.local.memory) if agreed >= STAGE_LAYERS_SINCE else None
+    # from 1.4 the prefill rank names the layers it holds
+    layers = HeldLayers.of(h.p.local.memory) if agreed >= LAYOUTS_SINCE else None
     assert ready == [Ready(PeerRef("pre", 0), ParallelRank(), agreed, layers)]
     assert [e for e in h.prefill_events if isinstance(e, Registered)] == [Registered(PeerRef("dec", 0))]
     assert h.p.plan is not None and not h.p.plan.is_dummy

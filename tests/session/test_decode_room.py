@@ -426,7 +426,7 @@ def test_a_quarantined_room_id_cannot_start_again_even_after_its_tombstone_is_go
     s.start_room(ROOM, [SenderPlan(0, p0, aux=True)], now=2.0)  # and the id is free again
 
 
-# -- multi-part notifications (protocol 1.5) ----------------------------------------------------
+# -- multi-part notifications (protocol 1.4) ----------------------------------------------------
 
 Merged = tuple[int, NotificationKind, int, bool, int, int, tuple[int, ...], bool]
 

@@ -196,10 +196,7 @@ def test_mla_with_sharded_state_from_a_larger_prefill_tp_needs_1_4() -> None:
     check_layout_version(wire.NEWEST, mla, "d", own_layout=False, prefill_tp=4, decode_tp=2)
 
 
-# ---- 1.5: KV pages whose heads lie apart (vLLM CPU) ------------------------------------------------
-
-V14 = (1, 4)
-V15 = (1, 5)
+# ---- 1.4: KV pages whose heads lie apart (vLLM CPU) ------------------------------------------------
 
 
 def _heads_apart(tp: int, rank: int, base: int) -> RankMemory:
@@ -212,19 +209,18 @@ def _heads_apart(tp: int, rank: int, base: int) -> RankMemory:
     return RankMemory(RankPosition(tp, rank), kv)
 
 
-def test_1_6_registration_carries_the_head_stride_and_a_1_5_peer_is_refused_by_name() -> None:
+def test_1_4_registration_carries_the_head_stride_and_a_1_3_peer_is_refused_by_name() -> None:
     decode = _heads_apart(1, 0, 1 << 44)
     sent = roundtrip(info_of(decode))
     assert isinstance(sent, wire.RegisterInfo) and sent.kv_head_stride == 64
     assert remote_memory(sent, _heads_apart(2, 0, 1 << 40)) == decode
-    with pytest.raises(HandshakeError, match=r"agreed on 1\.5.*KV head stride 64.*speak 1\.6"):
-        check_layout_version(V15, decode, "prefill-0", own_layout=True, prefill_tp=2, decode_tp=1)
+    with pytest.raises(HandshakeError, match=r"agreed on 1\.3.*KV head stride 64.*speak 1\.4"):
+        check_layout_version(V13, decode, "prefill-0", own_layout=True, prefill_tp=2, decode_tp=1)
     with pytest.raises(wire.DowngradeError, match="kv_head_stride"):
-        wire.encode(info_of(decode), V15)
-    # one head per rank: the stride moves no address, so the registration still travels at 1.4
+        wire.encode(info_of(decode), V13)
+    # one head per rank: the stride moves no address, so the registration carries none
     one = _heads_apart(4, 1, 1 << 44)
-    check_layout_version(V15, one, "prefill-0", own_layout=True, prefill_tp=2, decode_tp=4)
-    back = roundtrip(info_of(one, version=V15), V15)
+    back = roundtrip(info_of(one))
     assert isinstance(back, wire.RegisterInfo) and back.kv_head_stride == 0
     got = remote_memory(back, _heads_apart(2, 0, 1 << 40))
     assert replace(got, kv=replace(got.kv, head_stride=64)) == one  # type: ignore[arg-type]

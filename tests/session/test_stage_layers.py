@@ -1,5 +1,5 @@
 """Whether the PP stages of a prefill group hold each of a decode rank's layers exactly once
-(protocol 1.7): the pure check, and the group connect that refuses a group failing it."""
+(protocol 1.4): the pure check, and the group connect that refuses a group failing it."""
 
 from __future__ import annotations
 

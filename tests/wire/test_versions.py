@@ -345,18 +345,52 @@ def test_a_kv_page_layout_is_refused_for_a_1_3_peer(field: str, value: int) -> N
             w.encode(info, older)
 
 
-V14 = (1, 4)
-V15 = (1, 5)
-
-
-def test_a_kv_head_stride_is_refused_for_a_1_5_peer() -> None:
+def test_a_kv_head_stride_is_refused_for_a_1_3_peer() -> None:
     info = w.RegisterInfo(**_register_kwargs(w), kv_head_stride=512)
-    assert w.decode(w.encode(info)).kv_head_stride == 512  # 1.6 carries it
-    packed = w.decode_versioned(_b(w.encode(w.RegisterInfo(**_register_kwargs(w)), V15)))
-    assert packed[1] == V15 and packed[0].kv_head_stride == 0  # packed heads travel at 1.5
-    for older in (V15, V14, V13, OLD):
+    assert w.decode(w.encode(info)).kv_head_stride == 512  # 1.4 carries it
+    packed = w.decode_versioned(_b(w.encode(w.RegisterInfo(**_register_kwargs(w)), V13)))
+    assert packed[1] == V13 and packed[0].kv_head_stride == 0  # packed heads travel at 1.3
+    for older in (V13, V12, OLD):
         with pytest.raises(w.DowngradeError, match=r"RegisterInfo\.kv_head_stride"):
             w.encode(info, older)
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "value"),
+    [
+        ("RegisterInfo", "scatter_base", 1 << 20),
+        ("RegisterInfo", "scatter_len", 4096),
+        ("RegisterInfo", "scatter_mem_descs", [b"desc"]),
+        ("TransferRequest", "scatter_offset", 0),
+        ("TransferRequest", "scatter_page_bytes", 512),
+        ("TransferRequest", "scatter_pages", 2),
+        ("Notification", "scatter_pages", 2),
+        ("Notification", "scatter_first_page", 1),
+        ("RegisterAck", "kv_layers", np.array([0, 1], dtype=np.uint32)),
+        ("RegisterAck", "state_layers", [np.array([0], dtype=np.uint32)]),
+        (
+            "RegisterAck",
+            "kv_heads",
+            w.HeadSharding(
+                page_size=4, layout=w.KvLayout.NHD, kv_heads_per_rank=1, kv_heads_total=2, bytes_per_head=32
+            ),
+        ),
+    ],
+)
+def test_scatter_and_held_layers_are_refused_for_a_1_3_peer(message: str, field: str, value: Any) -> None:
+    base: dict[str, Any] = {
+        "RegisterInfo": lambda: w.RegisterInfo(**_register_kwargs(w)),
+        "TransferRequest": lambda: w.TransferRequest(
+            room=1, sender="d", dst_kv_indices=np.arange(4, dtype=np.int32)
+        ),
+        "Notification": lambda: w.Notification(room=1, kind=w.NotificationKind.KV),
+        "RegisterAck": lambda: w.RegisterAck(accepted=True, sender_rank=0),
+    }
+    msg = msgspec.structs.replace(base[message](), **{field: value})
+    assert w.decode(w.encode(msg)) == msg  # 1.4 carries it
+    assert type(w.decode(w.encode(base[message](), V13))).__name__ == message  # the defaults travel at 1.3
+    with pytest.raises(w.DowngradeError, match=rf"{message}\.{field}"):
+        w.encode(msg, V13)
 
 
 @pytest.mark.parametrize(
@@ -395,10 +429,10 @@ def test_row_indexing_exists_from_1_4() -> None:
     assert len([k for k in w.StateType if k.value > 0]) == 14  # SGLang 0.5.23's 13 kinds and nsa
 
 
-def test_1_5_multi_part_notification_refused_at_1_4_and_one_part_kept() -> None:
+def test_1_4_multi_part_notification_refused_at_1_3_and_one_part_kept() -> None:
     one = w.Notification(room=3, kind=w.NotificationKind.KV, chunk_id=2, is_last=True, sender_rank=1)
-    # one part: the 1.4 bytes carry it whole, and reading them back fills the one-part defaults
-    back = w.decode(w.encode(one, (1, 4)))
+    # one part: the 1.3 bytes carry it whole, and reading them back fills the one-part defaults
+    back = w.decode(w.encode(one, V13))
     assert back == one and back.chunk_count == 1 and len(back.also_components) == 0 and not back.also_aux
     for extra, field in (
         ({"chunk_count": 3}, "chunk_count"),
@@ -407,5 +441,5 @@ def test_1_5_multi_part_notification_refused_at_1_4_and_one_part_kept() -> None:
     ):
         many = msgspec.structs.replace(one, **extra)
         with pytest.raises(w.DowngradeError, match=rf"Notification\.{field}"):
-            w.encode(many, (1, 4))
-        assert w.decode(w.encode(many)) == many  # 1.5 carries it
+            w.encode(many, V13)
+        assert w.decode(w.encode(many)) == many  # 1.4 carries it

@@ -1,4 +1,4 @@
-"""Parts ready together go as one engine write with one notification (protocol 1.5), through
+"""Parts ready together go as one engine write with one notification (protocol 1.4), through
 real workers and sockets on the local backend and NIXL; a decode rank speaking 1.4 gets one
 write per part. Either way every decode byte is what slicing the prefill pages gives.
 
@@ -23,8 +23,8 @@ DST = np.random.default_rng(6).permutation(POOL)[:PAGES].astype(np.int32)
 
 
 @pytest.mark.parametrize("backend", ["local", "nixl"])
-@pytest.mark.parametrize(("versions", "staging"), [((), 0), (((1, 4),), 0), ((), 256 << 10)])
-def test_parts_ready_together_share_one_write_unless_the_peer_speaks_1_4(
+@pytest.mark.parametrize(("versions", "staging"), [((), 0), (((1, 3),), 0), ((), 256 << 10)])
+def test_parts_ready_together_share_one_write_unless_the_peer_speaks_1_3(
     backend: str, versions: tuple[tuple[int, int], ...], staging: int
 ) -> None:
     pr = rank(backend, "pre", 1, 0, fill=9)
@@ -69,7 +69,7 @@ def test_parts_ready_together_share_one_write_unless_the_peer_speaks_1_4(
             assert s.staged_parts == s.posts == 12 and s.merged_parts == 0
             return
         assert s.posts + s.merged_parts == 6  # three chunks for each decode rank
-        if versions:  # 1.4: one notification names one part
+        if versions:  # 1.3: one notification names one part
             assert (s.posts, s.merged_parts) == (6, 0)
             assert sum(d.stats.engine_notifications for d in decs) == 6
             if isinstance(

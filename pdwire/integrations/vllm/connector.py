@@ -539,7 +539,7 @@ class _Worker:
                 raise pd.ConfigError(
                     f"prefill TP {prefill_tp} -> decode TP {self.tp_size}: vLLM's attention blocks hold each "
                     "head's K and then its V, which this pdwire build's wire (no KV head stride, before "
-                    "protocol 1.6) cannot slice by head; use equal TP sizes"
+                    "protocol 1.4) cannot slice by head; use equal TP sizes"
                 )
             key = (r.prefill_engine_id, r.endpoints)
             group = self._prefills.get(key)

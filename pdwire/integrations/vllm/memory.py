@@ -4,7 +4,7 @@ What vLLM 0.32 lays out (``register_kv_caches``; see docs/vllm.md):
 
 * a **full-attention group**: per layer one view ``[blocks, heads, block_size, 2 * head_size]``;
   the CPU backend keeps each head's K page and then its V page in that head's row. With a wire
-  that carries a head stride (pdwire 1.6) that is a head-major ``KvPool`` with K and V on the same
+  that carries a head stride (pdwire 1.4) that is a head-major ``KvPool`` with K and V on the same
   bases, V at one head's page, ``head_stride`` = two heads' pages: sliceable by head, so prefill
   and decode may run different TP sizes. Before that each block is one opaque item (MLA-style):
   copied whole, between equal TP sizes only.
@@ -111,7 +111,7 @@ def describe(
     ``strided`` (a wire that carries item strides and offsets, pdwire 1.4) describes a Mamba page
     as its conv and SSM tensors at their offsets with the page as slot stride, and an attention
     item without its padding; without it each item is the whole stride. ``head_strided`` (a wire
-    that carries a KV head stride, pdwire 1.6, and ``strided``) describes attention blocks by head
+    that carries a KV head stride, pdwire 1.4, and ``strided``) describes attention blocks by head
     (see :func:`_kv_pool`); without it they are opaque items, equal TP only."""
     kv_group: int | None = None
     kv: pd.KvPool | None = None
@@ -428,7 +428,7 @@ def describe_vllm(
 
 
 def wire_carries_head_stride() -> bool:
-    """Whether this pdwire build's registration carries a KV head stride (from 1.6)."""
+    """Whether this pdwire build's registration carries a KV head stride (from 1.4)."""
     from pdwire import wire
 
     return "kv_head_stride" in getattr(wire.RegisterInfo, "__struct_fields__", ())

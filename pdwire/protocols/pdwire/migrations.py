@@ -33,22 +33,20 @@ meaning 1.2 has) and refuses any others: a 1.2 reader would place the entries on
 0..n-1, which for a PP stage are another stage's layers. The generated code refuses nsa by
 itself (an enum value 1.2 does not have).
 
-1.3 -> 1.4: additions only (RegisterInfo.kv_page_stride, k_page_offset, v_page_offset;
-StateComponent.tensor_layouts; SGLang's state kinds; StateIndexing row). Reading 1.3 fills the
-defaults, which are the 1.3 meaning (packed items, tensors at offset 0, the sharded axis first).
-Writing 1.3 refuses every value that is not that meaning: a 1.3 reader would place the items
-at the wrong addresses. The generated code refuses the new enum values by itself. Aliased
+1.3 -> 1.4: additions only (RegisterInfo.kv_page_stride, k_page_offset, v_page_offset,
+kv_head_stride and the receive staging buffer; StateComponent.tensor_layouts; Notification's
+several parts and scattered pages; RegisterAck's layers and head geometry; TransferRequest's
+staging range; SGLang's state kinds; StateIndexing row). Reading 1.3 fills the defaults, which
+are the 1.3 meaning (packed items and heads, tensors at offset 0, the sharded axis first, one
+part per notification, no staging). Writing 1.3 refuses every value that is not that meaning:
+a 1.3 reader would place the items at the wrong addresses, count the first part of a
+notification alone, or never copy staged bytes into place. The hooks below name those fields
+(a hook's message's fields added at 1.4 are dropped after it returns, so it must refuse each
+one); the generated code refuses the rest and the new enum values by itself. Aliased
 registrations (buffers whose extents overlap) are bytes 1.3 carries unchanged; what a 1.3 peer
 lacks is behaviour (one registration, destinations kept apart per request), so the handshake,
-not the codec, refuses a 1.3 peer of memory that aliases.
-
-1.4 -> 1.5: additions only (Notification.chunk_count, also_components, also_aux: one write
-completing several parts). Reading 1.4 fills the defaults (one part). Writing 1.4 refuses a
-notification naming more than one part; the runtime posts parts separately for a 1.4 peer.
-
-1.5 -> 1.6: one addition (RegisterInfo.kv_head_stride). Reading 1.5 fills the default, packed
-heads, the 1.5 meaning; writing 1.5 refuses a head stride, which a 1.5 reader would drop and
-then place every head but the first at the wrong address.
+not the codec, refuses a 1.3 peer of memory that aliases; the runtime posts parts separately
+for a 1.3 peer.
 """
 
 from __future__ import annotations
@@ -162,27 +160,33 @@ def downgrade_StateComponent_1_2(msg: Any, model: ModuleType) -> dict[str, Any]:
     return {}
 
 
+def _refuse_set(msg: Any, message: str, groups: tuple[tuple[tuple[str, ...], str], ...]) -> None:
+    """Refuse the fields of ``groups`` that are set (not 0, not empty), naming each: version 1.3
+    lacks them, and each group's text says what a 1.3 reader does instead."""
+    named = []
+    for fields, why in groups:
+        for field in fields:
+            value = getattr(msg, field)
+            if value if isinstance(value, int) else len(value):
+                shown = value if isinstance(value, int) else f"of {len(value)} items"
+                named.append((field, f"{field} {shown} cannot be carried by version 1.3, {why}"))
+    if named:
+        raise DowngradeError("; ".join(text for _, text in named), message=message, field=named[0][0])
+
+
 def downgrade_RegisterInfo_1_3(msg: Any, model: ModuleType) -> dict[str, Any]:
-    for field in ("kv_page_stride", "k_page_offset", "v_page_offset"):
-        value = int(getattr(msg, field))
-        if value:
-            raise DowngradeError(
-                f"{field} {value} cannot be carried by version 1.3, which places KV pages packed at offset 0",
-                message="RegisterInfo",
-                field=field,
-            )
-    return {}
-
-
-def downgrade_RegisterInfo_1_5(msg: Any, model: ModuleType) -> dict[str, Any]:
-    value = int(msg.kv_head_stride)
-    if value:
-        raise DowngradeError(
-            f"kv_head_stride {value} cannot be carried by version 1.5, which places the heads of a "
-            "page packed",
-            message="RegisterInfo",
-            field="kv_head_stride",
-        )
+    _refuse_set(
+        msg,
+        "RegisterInfo",
+        (
+            (
+                ("kv_page_stride", "k_page_offset", "v_page_offset"),
+                "which places KV pages packed at offset 0",
+            ),
+            (("kv_head_stride",), "which places the heads of a page packed"),
+            (("scatter_base", "scatter_len", "scatter_mem_descs"), "which has no receive staging buffer"),
+        ),
+    )
     return {}
 
 
@@ -203,9 +207,10 @@ def downgrade_StateComponent_1_3(msg: Any, model: ModuleType) -> dict[str, Any]:
     return {}
 
 
-def downgrade_Notification_1_4(msg: Any, model: ModuleType) -> dict[str, Any]:
-    """1.4 carries one part per notification: refuse one that names several (a 1.4 reader would
-    count the first part alone and the room would wait for the others until its deadline)."""
+def downgrade_Notification_1_3(msg: Any, model: ModuleType) -> dict[str, Any]:
+    """1.3 carries one part per notification: refuse one that names several (a 1.3 reader would
+    count the first part alone and the room would wait for the others until its deadline), and
+    pages written to a staging range (a 1.3 reader would never copy them into place)."""
     named = [
         field
         for field, extra in (
@@ -217,9 +222,12 @@ def downgrade_Notification_1_4(msg: Any, model: ModuleType) -> dict[str, Any]:
     ]
     if named:
         raise DowngradeError(
-            f"{', '.join(named)}: version 1.4 carries one part per notification; post the parts "
-            "separately for a 1.4 peer",
+            f"{', '.join(named)}: version 1.3 carries one part per notification; post the parts "
+            "separately for a 1.3 peer",
             message="Notification",
             field=named[0],
         )
+    _refuse_set(
+        msg, "Notification", ((("scatter_pages", "scatter_first_page"), "which writes every page in place"),)
+    )
     return {}

@@ -1,7 +1,7 @@
 """Prefill and decode of different TP sizes through PdwireConnector, checked token for token.
 
 vLLM 0.32's CPU build keeps, per attention block and KV head, that head's K page and then its V
-page; the connector describes that with a KV head stride (protocol 1.5) and pdwire's planner
+page; the connector describes that with a KV head stride (protocol 1.4) and pdwire's planner
 slices it by head. The dense Llama has 2 KV heads (one per rank at TP 2); the Mamba2 + attention
 hybrid's Mamba state is TP-sharded too (conv channels x | B | C, SSM heads), so every prefill
 rank writes its share of the state slot. vLLM's CPU build runs TP 2 with its OpenMP threads
