@@ -1,11 +1,12 @@
-"""The newest release's generated code, loaded from git into a temporary folder and run there.
+"""A release's generated code, loaded from git into a temporary folder and run there.
 
 :func:`export_release` writes the release commit's ``pdwire/`` and ``generated/`` as an
 importable ``pdwire`` package (``generated/`` becomes ``pdwire/wire``, as an install lays it
 out); :func:`run_release` runs :data:`DRIVER` in a fresh interpreter with that folder first on
 its path, so the released modules, not this checkout's, read and write the frames. The driver
 speaks only the public API every release has (``decode``, ``decode_versioned``,
-``encode(msg, version)``, the per-version modules, ``sglang.decode/encode``).
+``encode(msg, version)``, ``sglang.decode/encode``), and the per-version modules where a
+release has them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import msgspec
 from pdwire.codegen.gitrev import export, git, repo_root
 from pdwire.codegen.loader import load_texts
 from pdwire.codegen.model import Protocol
-from pdwire.codegen.releases import Release, newest
+from pdwire.codegen.releases import RELEASES_FILE, Release, load_releases, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,16 +45,19 @@ for kind, version, name, frames in cases:
             assert type(msg).__name__ == name, type(msg).__name__
             again = [bytes(f) for f in w.encode(msg, version)]
             assert again == frames, "re-encoded at the same version, the bytes differ"
-            exact = getattr(w, "v%d_%d" % version).decode(frames)  # the reader of exactly that minor
-            assert type(exact).__name__ == name
-            # every older minor's reader of the release reads it too, skipping what it lacks; it
-            # may refuse only a message type or an enum value its minor does not have
-            for older in w.VERSIONS:
-                if older[0] == version[0] and older < version:
-                    try:
-                        getattr(w, "v%d_%d" % older).decode(frames)
-                    except (w.UnknownMessageType, w.BadEnumValue):
-                        pass
+            # a release with one module per minor (wire-1.3; later ones keep one model per major):
+            # the reader of exactly that minor, and every older minor's reader, read it too,
+            # skipping what they lack; they may refuse only a message type or an enum value
+            # their minor does not have
+            if hasattr(w, "v%d_%d" % version):
+                exact = getattr(w, "v%d_%d" % version).decode(frames)
+                assert type(exact).__name__ == name
+                for older in w.VERSIONS:
+                    if older[0] == version[0] and older < version:
+                        try:
+                            getattr(w, "v%d_%d" % older).decode(frames)
+                        except (w.UnknownMessageType, w.BadEnumValue):
+                            pass
         else:
             msg = sglang.decode(frames, version=version)
             assert type(msg).__name__ == name, type(msg).__name__
@@ -67,8 +71,13 @@ sys.stdout.buffer.write(msgspec.msgpack.encode(out))
 Case = tuple[str, tuple[int, int], str, list[bytes]]  # (protocol, version, message name, frames)
 
 
-def release() -> tuple[Release, str]:
-    return newest(repo_root(REPO))
+RELEASES = [r.name for r in load_releases(REPO / RELEASES_FILE)]  # oldest first
+
+
+def release(name: str) -> tuple[Release, str]:
+    """Release ``name`` of ``schema/releases.toml`` and its commit in this clone."""
+    (rel,) = [r for r in load_releases(REPO / RELEASES_FILE) if r.name == name]
+    return rel, resolve(rel, repo_root(REPO))
 
 
 def export_release(commit: str, dest: Path) -> Path:

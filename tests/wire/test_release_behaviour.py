@@ -1,4 +1,4 @@
-"""The behavioural half of the gate: the newest release's own generated code, loaded from git,
+"""The behavioural half of the gate: every release's own generated code, loaded from git,
 against this build.
 
 * The release build decodes what this build encodes, at every version both read (pdwire and
@@ -6,8 +6,9 @@ against this build.
 * This build decodes the release's golden frames and writes them back byte for byte.
 * The golden files of released versions are unchanged since the release.
 
-The release is the newest of ``schema/releases.toml`` (its recorded commit; a tag must
-agree): a clone without that commit fails here rather than skipping the check.
+Each release of ``schema/releases.toml`` is checked (its recorded commit; a tag must agree), so
+a peer still running an older release stays covered after a newer one: a clone without a
+release's commit fails here rather than skipping the check.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdwire.wire import strategies as S
 from pdwire.wire.sglang.strategies import STRATEGIES as SG
 
 from tests.wire.release_build import (
+    RELEASES,
     REPO,
     Case,
     export_release,
@@ -40,9 +42,9 @@ from tests.wire.release_build import (
 EXAMPLES = 8  # per message and version
 
 
-@pytest.fixture(scope="module")
-def released() -> tuple[str, str, Path]:
-    rel, commit = release()
+@pytest.fixture(scope="module", params=RELEASES)
+def released(request: pytest.FixtureRequest) -> tuple[str, str, Path]:
+    rel, commit = release(request.param)
     return rel.name, commit, REPO
 
 
