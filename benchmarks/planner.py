@@ -34,9 +34,9 @@ from pdwire.runtime.planner import (
     Indexing,
     KvPool,
     Layout,
+    ParallelRank,
     PeerPlan,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -124,7 +124,7 @@ def memory(tp: int, rank: int, layout: Layout, base: int, vllm: bool = False) ->
         replicated=True,
     )
     aux = (AuxBuffer("output", base + (7 << 40), AUX_ITEM * 256, AUX_ITEM),)
-    return RankMemory(RankPosition(tp, rank), kv, (mamba, swa, dsa), aux)
+    return RankMemory(ParallelRank(tp, rank), kv, (mamba, swa, dsa), aux)
 
 
 def fragmented_pages(rng: np.random.Generator, count: int) -> np.ndarray:

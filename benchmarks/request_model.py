@@ -32,8 +32,8 @@ from pdwire.runtime.planner import (
     Indexing,
     KvPool,
     Layout,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -229,7 +229,7 @@ class RankLayout:
         )  # fmt: skip
         (aux,) = self.of("aux")
         out = AuxBuffer("output", base + aux.offset, aux.nbytes, m.aux_item)
-        return RankMemory(RankPosition(self.tp, self.rank), kv, (mamba, swa, dsa), (out,))
+        return RankMemory(ParallelRank(self.tp, self.rank), kv, (mamba, swa, dsa), (out,))
 
 
 # --------------------------------------------------------------------------- content

@@ -93,7 +93,7 @@ def shared_blocks(backend: pd.Backend) -> Rank:
         pd.StateKind.MAMBA, pd.Indexing.SLOT, (conv_t, ssm_t), memory_kind=pd.MemoryKind.DRAM
     )
     aux_buf = pd.AuxBuffer("first_token", addr(aux), aux.nbytes, AUX_BYTES)
-    memory = pd.RankMemory(pd.RankPosition(1, 0), kv_pool, (mamba,), (aux_buf,))
+    memory = pd.RankMemory(pd.ParallelRank(1, 0), kv_pool, (mamba,), (aux_buf,))
     return Rank(backend, [a[:, 0] for a in kv], [a[:, 1] for a in kv], conv, ssm, aux, memory)
 
 
@@ -140,7 +140,7 @@ def packed(backend: pd.Backend, tp: int, rank: int) -> Rank:
         pd.StateKind.MAMBA, pd.Indexing.SLOT, (conv_t, ssm_t), memory_kind=pd.MemoryKind.DRAM
     )
     aux_buf = pd.AuxBuffer("first_token", addr(aux), aux.nbytes, AUX_BYTES)
-    memory = pd.RankMemory(pd.RankPosition(tp, rank), kv, (mamba,), (aux_buf,))
+    memory = pd.RankMemory(pd.ParallelRank(tp, rank), kv, (mamba,), (aux_buf,))
     return Rank(backend, views["k"], views["v"], views["conv"], views["ssm"], aux, memory)
 
 

@@ -1,8 +1,10 @@
 """What an engine tells a worker about itself: where the rank sits, how to reach it, its limits.
 
 Pure values, no I/O. :class:`ParallelRank` is the rank's place in the parallel grid (attention
-TP, PP, CP and attention DP) and computes the *unique sender rank* every prefill rank signs its
-statuses and notifications with, by SGLang's formula::
+TP, PP, CP and attention DP), the one type for it: the worker configs, the planner's
+``RankMemory.position`` and the session's peers all hold one (it becomes the wire's
+``ParallelGeometry`` only in ``session/hello.py``). It computes the *unique sender rank* every
+prefill rank signs its statuses and notifications with, by SGLang's formula::
 
     sender_rank = tp_rank * (pp_size * cp_size) + pp_rank * cp_size + cp_rank
 
@@ -72,21 +74,6 @@ class ParallelRank:
     def engine_rank(self) -> int:
         """Unique over the whole engine instance: the DP group, then :attr:`sender_rank`."""
         return self.dp_rank * self.group_size + self.sender_rank
-
-    def geometry(self) -> wire.ParallelGeometry:
-        """This position as the wire's ``ParallelGeometry`` (Hello, RegisterInfo)."""
-        return wire.ParallelGeometry(
-            tp_size=self.tp_size, tp_rank=self.tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-            cp_size=self.cp_size, cp_rank=self.cp_rank, dp_size=self.dp_size, dp_rank=self.dp_rank,
-        )  # fmt: skip
-
-    @classmethod
-    def from_geometry(cls, g: wire.ParallelGeometry) -> ParallelRank:
-        """A peer's position from its Hello; raises :class:`ConfigError` naming a bad field."""
-        return cls(
-            int(g.tp_size), int(g.tp_rank), int(g.pp_size), int(g.pp_rank),
-            int(g.cp_size), int(g.cp_rank), int(g.dp_size), int(g.dp_rank),
-        )  # fmt: skip
 
     def __str__(self) -> str:
         parts = [f"tp {self.tp_rank}/{self.tp_size}"]

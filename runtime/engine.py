@@ -4,13 +4,13 @@
 
     from pdwire.runtime import engine as pd
 
-    # 1. describe the rank's memory with the planner's model (pointers, lengths, shapes)
-    memory = pd.RankMemory(pd.RankPosition(tp_size=2, tp_rank=0), kv=pd.KvPool(...), state=(...), aux=(...))
-    # (engines with torch: pdwire.runtime.torch_memory builds it from tensors)
+    # 1. the rank's place in the parallel grid, and the memory it transfers with the planner's
+    #    model (pointers, lengths, shapes; engines with torch: pdwire.runtime.torch_memory)
+    rank = pd.ParallelRank(tp_size=2, tp_rank=0)
+    memory = pd.RankMemory(rank, kv=pd.KvPool(...), state=(...), aux=(...))
 
     # 2. one worker per rank; the control plane is authenticated with the deployment's CURVE
     #    keys (`pdwire keys generate DIR`; or PDWIRE_CONTROL_KEYS=DIR and leave control_auth out)
-    rank = pd.ParallelRank(tp_size=2, tp_rank=0)
     auth = pd.ControlAuth.from_directory("/etc/pdwire/keys")
     pre = pd.PrefillWorker(pd.PrefillConfig(engine_id="p0", rank=rank, model=model, control_auth=auth),
                            memory)
@@ -24,7 +24,11 @@
     dec.start_room(room, pd.RequestIndices(kv_pages, state=[mamba_slot, swa_pages], aux_index=3), group)
     pre.send_chunk(room, src_pages, last=True, state=[src_slot, src_swa], aux_index=7)
 
-    # 4. drive both from the engine's loop (worker.step(timeout_ms)) or a thread (WorkerThread)
+    # 4. drive both from the inference engine's loop (worker.step(timeout_ms)) or a thread
+    #    (WorkerThread)
+
+"Engine" here is the inference engine; the transfer engine (NIXL, Mooncake, MoRI, ``local``)
+is a :class:`Backend` (``create_backend(name)``, or the config's ``backend`` name).
 
 Callbacks: prefill ``on_released(room, status, failure)`` (source memory free again);
 decode ``on_finished(room, status, failure)`` (the request's outcome) and
@@ -59,14 +63,10 @@ from pdwire.runtime.planner import (
     Layout,
     PlanError,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
     regions,
-)
-from pdwire.runtime.planner import (
-    StateComponent as StateComponent,  # the former name of StatePool (not in __all__)
 )
 from pdwire.runtime.session.failures import (
     DuplicateRoomError,
@@ -110,7 +110,6 @@ __all__ = [
     "PrefillStats",
     "PrefillWorker",
     "RankMemory",
-    "RankPosition",
     "RegistrationMismatch",
     "RequestIndices",
     "SessionError",

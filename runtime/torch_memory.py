@@ -8,7 +8,7 @@ Every tensor is per layer, its first dimension the pages or slots of that layer:
     conv = tm.state_tensor("conv", conv_layers, sharded=True, sub_blocks=(1024, 256, 256))
     ssm = tm.state_tensor("ssm", ssm_layers, sharded=True)
     mamba = tm.state_component(StateKind.MAMBA, Indexing.SLOT, [conv, ssm], device="cuda:0")
-    memory = RankMemory(RankPosition(tp_size, tp_rank), kv, (mamba,), (tm.aux_buffer("out", aux),))
+    memory = RankMemory(ParallelRank(tp_size, tp_rank), kv, (mamba,), (tm.aux_buffer("out", aux),))
 
 Addresses come from ``data_ptr()``, sizes from shapes and strides; the memory kind is VRAM for
 a CUDA (or other accelerator) tensor and DRAM for a CPU one, with the device index. A page or

@@ -292,7 +292,8 @@ def test_runtime_names_do_not_collide_with_wire_names() -> None:
                 assert getattr(module, name) is getattr(wire, name), (
                     f"{module.__name__}.{name} shadows wire.{name}"
                 )
-    # the planner's component memory was renamed from the wire message's name; the old name still
-    # imports (not exported by a star import)
-    assert pd.StateComponent is pd.StatePool is planner.StatePool
-    assert "StateComponent" not in pd.__all__ and "StateComponent" not in planner.__all__
+    # the planner's component memory is StatePool (StateComponent is the wire message's name only),
+    # and a rank's place in the grid is one type, the configs' and the memory's alike
+    assert pd.StatePool is planner.StatePool and pd.ParallelRank is planner.ParallelRank
+    for gone in ("StateComponent", "RankPosition"):
+        assert not hasattr(pd, gone) and not hasattr(planner, gone)

@@ -24,15 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import torch
-from pdwire.runtime import torch_memory as tm
+
 from pdwire.demo.spec import Capacity, ModelSpec
+from pdwire.runtime import torch_memory as tm
 from pdwire.runtime.descriptors import Region
 from pdwire.runtime.engine import (
     HeadGeometry,
     Indexing,
     Layout,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     regions,
@@ -50,7 +51,7 @@ class RankCaches:
     """One rank's cache tensors (views into ``buffer``) and their planner description."""
 
     spec: ModelSpec
-    position: RankPosition
+    position: ParallelRank
     capacity: Capacity
     buffer: torch.Tensor  # the flat uint8 backing store
     tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per layer
@@ -120,7 +121,7 @@ def build_caches(
     """Carve the cache tensors out of ``backing`` (a flat uint8 array from ``Backend.allocate``)."""
     spec.check_tp(tp)
     flat = torch.from_numpy(backing)  # shares memory: writes land in the registered buffer
-    caches = RankCaches(spec, RankPosition(tp, rank), cap, flat)
+    caches = RankCaches(spec, ParallelRank(tp, rank), cap, flat)
     offset = 0
     for name, (shape, layers) in tensor_shapes(spec, tp, rank, cap).items():
         per = int(np.prod(shape)) * ELEM

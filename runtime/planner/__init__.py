@@ -1,10 +1,11 @@
 """Pure transfer planner: rank geometry + request indices -> coalesced descriptor tables.
 
-No I/O, no torch, no engine: numpy only. Prepare once per (prefill rank, decode rank) peer with
+No I/O, no torch, no transfer backend: numpy only. Prepare once per (prefill rank, decode rank) peer with
 ``prepare_peer``, then plan each request with ``PeerPlan.plan_kv_chunk`` / ``plan_state`` /
 ``plan_aux``.
 """
 
+from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.planner.errors import (
     DuplicateDestination,
     GeometryMismatch,
@@ -25,13 +26,9 @@ from pdwire.runtime.planner.model import (
     KvPool,
     Layout,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
-)
-from pdwire.runtime.planner.model import (
-    StateComponent as StateComponent,  # the former name of StatePool (not in __all__)
 )
 from pdwire.runtime.planner.peer import has_tp_sharded_state
 from pdwire.runtime.planner.plan import GroupKind, PeerPlan, Plan, PlanGroup, prepare_peer
@@ -53,12 +50,12 @@ __all__ = [
     "Layout",
     "MissingShardingInfo",
     "OverlappingDestination",
+    "ParallelRank",
     "PeerPlan",
     "Plan",
     "PlanError",
     "PlanGroup",
     "RankMemory",
-    "RankPosition",
     "RegionIndex",
     "StateKind",
     "StatePool",

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.descriptors import MemoryKind
 
 
@@ -77,17 +78,6 @@ class Indexing(StrEnum):
     SLOT = "slot"  # exactly one index per side (a Mamba slot)
     PAGE = "page"  # a list of page ids, one per page, equal lengths on both sides
     ROW = "row"  # a list of rows (ring rows, request rows), matched by position, equal lengths
-
-
-@dataclass(frozen=True, slots=True)
-class RankPosition:
-    """Where a rank sits in its TP x PP grid and which layers it holds."""
-
-    tp_size: int
-    tp_rank: int
-    pp_size: int = 1
-    pp_rank: int = 0
-    first_layer: int = 0  # global id of the first KV layer this rank holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +218,7 @@ class StateTensor:
 @dataclass(frozen=True, slots=True)
 class StatePool:
     """One hybrid-state component (Mamba, SWA, DSA, ...), matched by position across sides: the
-    memory of it. (The wire's ``StateComponent`` is the message that describes one to a peer;
-    this type was called ``StateComponent`` too, which the alias below keeps importable.)
+    memory of it (the wire's ``StateComponent`` is the message that describes one to a peer).
 
     Sharding across TP is one of: ``replicated`` (every rank holds identical bytes: MLA SWA, DSA
     indexer), ``heads`` (paged K/V-like tensors sliced by KV head, non-MLA SWA), or per tensor
@@ -265,14 +254,12 @@ class AuxBuffer:
     bytes_per_item: int
 
 
-StateComponent = StatePool  # the former name; it collided with the wire message of that name
-
-
 @dataclass(frozen=True, slots=True)
 class RankMemory:
     """Everything one rank registers for transfers. Decode's registration maps onto this type."""
 
-    position: RankPosition
+    position: ParallelRank  # the planner reads TP and PP; a worker's is its configured rank
     kv: KvPool | None = None
     state: tuple[StatePool, ...] = field(default=())
     aux: tuple[AuxBuffer, ...] = field(default=())
+    first_layer: int = 0  # global id of the first KV layer this rank holds (a PP stage holds a slice)

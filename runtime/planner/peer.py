@@ -316,8 +316,8 @@ def _prepare_kv(
         raise GeometryMismatch(
             f"page size differs: prefill {src.page_size}, decode {dst.page_size}", component="kv"
         )
-    src_layers = [local.position.first_layer + i for i in range(src.num_layers)]
-    dst_layers = [remote.position.first_layer + i for i in range(dst.num_layers)]
+    src_layers = [local.first_layer + i for i in range(src.num_layers)]
+    dst_layers = [remote.first_layer + i for i in range(dst.num_layers)]
     positions = _dst_positions(src_layers, dst_layers, "kv")
     if src.is_mla:
         pattern = _replicated_pattern(pair, src.bytes_per_page, dst.bytes_per_page, "kv", "latent")

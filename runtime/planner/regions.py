@@ -52,11 +52,11 @@ def _buffers(memory: RankMemory) -> list[_Buffer]:
     if kv is not None:
         latent = "latent" if kv.is_mla else "k"
         for layer, (base, length) in enumerate(zip(kv.k_base_addrs, kv.region_lens, strict=True)):
-            global_layer = memory.position.first_layer + layer
+            global_layer = memory.first_layer + layer
             out.append(_Buffer(f"kv.{latent}.L{global_layer}", base, length, kv.memory_kind, kv.device_id))
         v_lens = () if kv.is_mla else kv.region_lens
         for layer, (base, length) in enumerate(zip(kv.v_base_addrs, v_lens, strict=True)):
-            global_layer = memory.position.first_layer + layer
+            global_layer = memory.first_layer + layer
             out.append(_Buffer(f"kv.v.L{global_layer}", base, length, kv.memory_kind, kv.device_id))
     for ci, component in enumerate(memory.state):
         layer_ids = component.global_layer_ids()

@@ -109,11 +109,9 @@ def _check_head_stride(side: str, kv: KvPool) -> None:
 
 def validate_memory(memory: RankMemory, side: str) -> None:
     """Raise a PlanError if ``memory`` contradicts itself; say nothing about the peer."""
-    pos = memory.position
-    if pos.tp_size < 1 or not 0 <= pos.tp_rank < pos.tp_size:
-        raise TopologyError(f"{side}: TP rank {pos.tp_rank} outside TP size {pos.tp_size}")
-    if pos.pp_size < 1 or not 0 <= pos.pp_rank < pos.pp_size or pos.first_layer < 0:
-        raise TopologyError(f"{side}: PP rank {pos.pp_rank} / first layer {pos.first_layer} invalid")
+    pos = memory.position  # it checked its ranks against its sizes when it was built
+    if memory.first_layer < 0:
+        raise TopologyError(f"{side}: first layer {memory.first_layer} invalid")
     kv = memory.kv
     if kv is not None:
         _check_buffers(side, "kv", "k", kv.k_base_addrs, kv.region_lens, kv.bytes_per_page)

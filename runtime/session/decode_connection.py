@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
-from pdwire.runtime.config import ConfigError, ParallelRank
+from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.indices import RESERVED_ROOM
 from pdwire.runtime.planner import HeadGeometry, RankMemory
 from pdwire.runtime.session.actions import PeerRef, SendRequest
@@ -46,6 +46,7 @@ from pdwire.runtime.session.hello import (
     REGISTER_ACK_SINCE,
     check_descriptors,
     check_hello,
+    rank_of,
 )
 from pdwire.runtime.session.registration import check_layout_version, heads_from_wire, register_info
 from pdwire.runtime.session.stage_layers import HeldLayers
@@ -207,10 +208,7 @@ class DecodeConnection:
             return self._refuse(f"{self.endpoint} answered a Hello with {type(msg).__name__}")
         try:
             version = check_hello(self.local.hello, msg)
-            try:
-                position = ParallelRank.from_geometry(msg.geometry)
-            except ConfigError as exc:
-                raise HandshakeError(f"prefill {msg.engine_id!r} sent a bad geometry: {exc}") from None
+            position = rank_of(msg.geometry, f"prefill {msg.engine_id!r}")
             self._check_expected(position)
             check_descriptors(version, self.local.backend_name, bool(self.local.region_descs), msg.engine_id)
             check_layout_version(

@@ -10,9 +10,9 @@ descriptors (:func:`check_descriptors`), on both sides alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from pdwire.runtime.config import ParallelRank
+from pdwire.runtime.config import ConfigError, ParallelRank
 from pdwire.runtime.session.failures import HandshakeError
 from pdwire.wire import features
 
@@ -40,10 +40,28 @@ class Identity:
             versions=versions,
             role=self.role,
             engine_id=self.engine_id,
-            geometry=self.rank.geometry(),
+            geometry=geometry_of(self.rank),
             model=self.model,
             capabilities=["per-component-state", "explicit-dummy"],
         )
+
+
+_AXES = tuple(f.name for f in fields(ParallelRank))
+
+
+def geometry_of(rank: ParallelRank) -> wire.ParallelGeometry:
+    """``rank`` as the wire's ``ParallelGeometry`` (Hello, RegisterInfo): the one place a
+    rank's place in the grid becomes a wire struct."""
+    return wire.ParallelGeometry(**{axis: getattr(rank, axis) for axis in _AXES})
+
+
+def rank_of(g: wire.ParallelGeometry, peer: str) -> ParallelRank:
+    """``peer``'s place in the grid from its Hello or RegisterInfo; a :class:`HandshakeError`
+    naming the bad field (a rank outside its size, a size of 0)."""
+    try:
+        return ParallelRank(**{axis: int(getattr(g, axis)) for axis in _AXES})
+    except ConfigError as exc:
+        raise HandshakeError(f"{peer} sent a bad geometry: {exc}") from None
 
 
 def _fmt_model(m: wire.ModelFingerprint) -> str:

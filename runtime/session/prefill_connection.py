@@ -39,7 +39,6 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
-from pdwire.runtime.config import ConfigError, ParallelRank
 from pdwire.runtime.indices import RESERVED_ROOM
 from pdwire.runtime.planner import PeerPlan, PlanError, RankMemory, prepare_peer
 from pdwire.runtime.session.actions import AuxPart, KvPart, Part, PeerRef, StatePart
@@ -58,6 +57,7 @@ from pdwire.runtime.session.hello import (
     REGISTER_ACK_SINCE,
     check_descriptors,
     check_hello,
+    rank_of,
 )
 from pdwire.runtime.session.message_bounds import MessageLimits, MessageTooLarge, peer_limits
 from pdwire.runtime.session.prefill_room import Destination, Target
@@ -163,10 +163,7 @@ class PrefillConnection:
                 self.version, self.local.memory, hello.engine_id, own_layout=False,
                 prefill_tp=self.local.memory.position.tp_size, decode_tp=hello.geometry.tp_size,
             )  # fmt: skip
-            try:
-                position = ParallelRank.from_geometry(hello.geometry)
-            except ConfigError as exc:
-                raise HandshakeError(f"decode {hello.engine_id!r} sent a bad geometry: {exc}") from None
+            position = rank_of(hello.geometry, f"decode {hello.engine_id!r}")
         except HandshakeError as exc:
             self.state, self.version, self.peer, self.refusal = PrefillConnState.REFUSED, None, None, str(exc)
         else:

@@ -48,7 +48,6 @@ from pdwire.runtime.planner import (
     KvPool,
     Layout,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -56,7 +55,7 @@ from pdwire.runtime.planner import (
     region_index,
 )
 from pdwire.runtime.session.failures import HandshakeError, RegistrationMismatch
-from pdwire.runtime.session.hello import LAYOUTS_SINCE, SELF_DESCRIBING_SINCE
+from pdwire.runtime.session.hello import LAYOUTS_SINCE, SELF_DESCRIBING_SINCE, geometry_of, rank_of
 from pdwire.wire import features
 
 from pdwire import wire
@@ -315,7 +314,7 @@ def register_info(
     ``version`` is the agreed one: below 1.2 the aux descriptors ride at the tail of
     ``kv_mem_descs`` (the component self-description is always filled; the codec drops it
     for older peers, which borrow the structure from their own model). ``geometry`` is the
-    rank's full position (CP and DP included); by default the TP and PP of ``memory.position``.
+    rank's place as its Hello gave it (default: ``memory.position``'s).
     ``scatter`` is the receive staging buffer (base, length), registered after the planner's
     regions (its descriptor is the last of ``region_descs``); advertised from 1.4.
     """
@@ -386,11 +385,8 @@ def register_info(
         engine_id=engine_id,
         agent_name=agent_name,
         agent_metadata=agent_metadata,
-        geometry=geometry
-        or wire.ParallelGeometry(
-            tp_size=pos.tp_size, tp_rank=pos.tp_rank, pp_size=pos.pp_size, pp_rank=pos.pp_rank
-        ),
-        first_layer=pos.first_layer,
+        geometry=geometry or geometry_of(pos),
+        first_layer=memory.first_layer,
         num_layers=kv.num_layers,
         k_base_addrs=_u64(kv.k_base_addrs),
         v_base_addrs=_u64(kv.v_base_addrs),
@@ -734,5 +730,5 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
     aux = tuple(
         AuxBuffer(names[i], int(info.aux_base_addrs[i]), aux_lens[i], items[i]) for i in range(len(names))
     )
-    position = RankPosition(g.tp_size, g.tp_rank, g.pp_size, g.pp_rank, info.first_layer)
-    return RankMemory(position, kv, tuple(state), aux)
+    position = rank_of(g, f"decode {info.engine_id!r}")
+    return RankMemory(position, kv, tuple(state), aux, int(info.first_layer))

@@ -31,7 +31,7 @@ class HeldLayers:
     @classmethod
     def of(cls, memory: RankMemory) -> HeldLayers:
         kv = memory.kv
-        first = memory.position.first_layer
+        first = memory.first_layer
         return cls(
             tuple(range(first, first + kv.num_layers)) if kv is not None else (),
             tuple(c.global_layer_ids() for c in memory.state),

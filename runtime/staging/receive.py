@@ -23,9 +23,9 @@ from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     HeadGeometry,
     KvPool,
+    ParallelRank,
     PeerPlan,
     RankMemory,
-    RankPosition,
     prepare_peer,
     region_index,
 )
@@ -41,11 +41,16 @@ class ScatterGeometryError(ValueError):
 
 
 def stand_in_source(
-    position: RankPosition, heads: HeadGeometry, num_layers: int, pages: int, like: KvPool
+    position: ParallelRank,
+    heads: HeadGeometry,
+    num_layers: int,
+    pages: int,
+    like: KvPool,
+    first_layer: int = 0,
 ) -> RankMemory:
     """A prefill rank's KV pool as the decode rank knows it: its position (TP and PP), its head
-    geometry, ``num_layers`` layers from ``position.first_layer``, room for ``pages`` pages, on
-    made-up addresses. Kind and device follow ``like`` (this rank's pool)."""
+    geometry, ``num_layers`` layers from ``first_layer``, room for ``pages`` pages, on made-up
+    addresses. Kind and device follow ``like`` (this rank's pool)."""
     bytes_per_page = heads.kv_heads_per_rank * heads.page_size * heads.bytes_per_head
     region_len = max(1, pages) * bytes_per_page
     span = -(-region_len // _ALIGN) * _ALIGN
@@ -63,7 +68,7 @@ def stand_in_source(
         memory_kind=like.memory_kind,
         device_id=like.device_id,
     )
-    return RankMemory(position, kv)
+    return RankMemory(position, kv, first_layer=first_layer)
 
 
 def kv_only(memory: RankMemory) -> RankMemory:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from pdwire.runtime.backends import Backend, BackendError
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.descriptors import MemoryKind
-from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory, RankPosition
+from pdwire.runtime.planner import HeadGeometry, PlanError, RankMemory
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.staging import Copier, CopyError, HostCopier, StagingArena, runs
 from pdwire.runtime.staging.receive import ScatterGeometryError, ScatterPlanner, stand_in_source
@@ -105,9 +105,10 @@ class ScatterReceiver:
         if list(kv_layers) != list(range(first, first + len(kv_layers))):
             return None
         pages = kv.region_lens[0] // kv.stride if kv.region_lens else 0
-        pos = RankPosition(position.tp_size, position.tp_rank, position.pp_size, position.pp_rank, first)
         try:
-            planner = ScatterPlanner(self.memory, stand_in_source(pos, heads, len(kv_layers), pages, kv))
+            planner = ScatterPlanner(
+                self.memory, stand_in_source(position, heads, len(kv_layers), pages, kv, first)
+            )
             dst_runs = runs(planner.rows(np.zeros(1, np.int32)), "dst")  # the destination's cuts alone
         except (PlanError, ValueError):
             return None

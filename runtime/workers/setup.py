@@ -44,15 +44,8 @@ def register_memory(backend: Backend, memory: RankMemory, rank: ParallelRank) ->
     alone, with any staging buffers an earlier worker added after them; any other registration
     would shift every region index, and is refused.
     """
-    pos = memory.position
-    for name, want, have in (
-        ("tp_size", rank.tp_size, pos.tp_size),
-        ("tp_rank", rank.tp_rank, pos.tp_rank),
-        ("pp_size", rank.pp_size, pos.pp_size),
-        ("pp_rank", rank.pp_rank, pos.pp_rank),
-    ):
-        if want != have:
-            raise ConfigError(f"memory.position.{name} is {have}, the worker's rank says {want}")
+    if memory.position != rank:
+        raise ConfigError(f"memory.position is {memory.position}, the worker's rank is {rank}")
     try:
         wanted = regions(memory)
     except PlanError as exc:

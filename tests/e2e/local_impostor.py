@@ -31,7 +31,7 @@ from pdwire.runtime.backends import possession
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.planner import regions
-from pdwire.runtime.session.hello import Identity
+from pdwire.runtime.session.hello import Identity, geometry_of
 from pdwire.runtime.session.registration import register_info
 from pdwire.wire import backend_metadata as bm
 
@@ -60,7 +60,7 @@ def victim() -> int:
         engine_id="victim",
         agent_name=md.agent_name,
         agent_metadata=md.agent_metadata,
-        geometry=ParallelRank(1, 0).geometry(),
+        geometry=geometry_of(ParallelRank(1, 0)),
     )
     sha = lambda: hashlib.sha256(memory.tobytes()).hexdigest()  # noqa: E731
     out = {

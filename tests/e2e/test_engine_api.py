@@ -63,8 +63,8 @@ def rank_memory(name: str, tp: int, rank: int, layers: list[int], pp: int = 1, s
         pd.StateKind.MAMBA, pd.Indexing.SLOT, (tensor,), layer_ids=layer_ids, memory_kind=pd.MemoryKind.DRAM
     )
     aux_buf = pd.AuxBuffer("out", int(aux.ctypes.data), aux.nbytes, 8)
-    position = pd.RankPosition(tp, rank, pp, stage, first_layer=layers[0])
-    return Mem(backend, k, conv, aux, pd.RankMemory(position, kv, (mamba,), (aux_buf,)))
+    position = pd.ParallelRank(tp, rank, pp, stage)
+    return Mem(backend, k, conv, aux, pd.RankMemory(position, kv, (mamba,), (aux_buf,), layers[0]))
 
 
 def pump(workers: list[pd.PrefillWorker | pd.DecodeWorker], until: Callable[[], bool], what: str) -> None:

@@ -115,7 +115,7 @@ def describe(c: Cache, tp: int, rank: int) -> pd.RankMemory:
     ssm = pd.StateTensor("ssm", bases(c.ssm), lens(c.ssm), heads * SSM_DIM * 2, heads)
     mamba = pd.StatePool(pd.StateKind.MAMBA, pd.Indexing.SLOT, (conv, ssm), memory_kind=pd.MemoryKind.DRAM)
     aux = pd.AuxBuffer("output_ids", int(c.aux.ctypes.data), c.aux.nbytes, AUX_BYTES)
-    return pd.RankMemory(pd.RankPosition(tp, rank), kv, (mamba,), (aux,))
+    return pd.RankMemory(pd.ParallelRank(tp, rank), kv, (mamba,), (aux,))
 
 
 # --------------------------------------------------------------------------- content and shards

@@ -8,8 +8,8 @@ from pdwire.runtime.planner import (
     Indexing,
     KvPool,
     Layout,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -86,9 +86,14 @@ def paged(
 
 
 def rank(
-    tp: int, tp_rank: int, kv: KvPool | None = None, state: tuple[StatePool, ...] = (), **position: int
+    tp: int,
+    tp_rank: int,
+    kv: KvPool | None = None,
+    state: tuple[StatePool, ...] = (),
+    first_layer: int = 0,
+    **position: int,
 ) -> RankMemory:
-    return RankMemory(RankPosition(tp, tp_rank, **position), kv, state)
+    return RankMemory(ParallelRank(tp, tp_rank, **position), kv, state, first_layer=first_layer)
 
 
 def with_kv(memory: RankMemory, **changes: object) -> RankMemory:

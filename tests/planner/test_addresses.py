@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from pdwire.runtime.planner import KvPool, Layout, RankMemory, RankPosition, prepare_peer, regions
+from pdwire.runtime.planner import KvPool, Layout, ParallelRank, RankMemory, prepare_peer, regions
 from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 
 ITEM = 1 << 20  # 1 MiB pages: index 5000 is ~4.9 GiB into the region
@@ -20,8 +20,8 @@ def _pool(base: int, pages: int, layout: Layout = Layout.NHD, heads: int = 4, tp
 
 def test_whole_page_addresses_are_exact_above_4_gib() -> None:
     src_base, dst_base = 0x7F00_0000_0000, (1 << 63) + (1 << 33)  # bit 63 set, as on XPU
-    src = RankMemory(RankPosition(1, 0), _pool(src_base, 1 << 14))
-    dst = RankMemory(RankPosition(1, 0), _pool(dst_base, 1 << 14))
+    src = RankMemory(ParallelRank(1, 0), _pool(src_base, 1 << 14))
+    dst = RankMemory(ParallelRank(1, 0), _pool(dst_base, 1 << 14))
     table = prepare_peer(src, dst).plan_kv_chunk(0, [5000, 16000], [9000, 2100]).table
     assert table.src_addr.dtype == np.uint64
     rows = sorted(zip(table.src_addr.tolist(), table.dst_addr.tolist(), table.length.tolist(), strict=True))
@@ -37,8 +37,8 @@ def test_whole_page_addresses_are_exact_above_4_gib() -> None:
 def test_head_slices_land_exactly_at_offsets_above_2_pow_32() -> None:
     # Sparse backing: only the touched pages exist as numpy buffers, at their true 64-bit addresses.
     src_base, dst_base = 3 << 34, 11 << 34
-    src = RankMemory(RankPosition(1, 0), _pool(src_base, 1 << 13, Layout.NHD, heads=4, tp=1))
-    dst = RankMemory(RankPosition(2, 1), _pool(dst_base, 1 << 13, Layout.HND, heads=4, tp=2))
+    src = RankMemory(ParallelRank(1, 0), _pool(src_base, 1 << 13, Layout.NHD, heads=4, tp=1))
+    dst = RankMemory(ParallelRank(2, 1), _pool(dst_base, 1 << 13, Layout.HND, heads=4, tp=2))
     src_page, dst_page = 6000, 4500  # 6000 * 1 MiB > 2**32; 4500 * 512 KiB > 2**31
     src_item, dst_item = src.kv.bytes_per_page, dst.kv.bytes_per_page  # type: ignore[union-attr]
     rng = np.random.default_rng(1)

@@ -14,8 +14,8 @@ from pdwire.runtime.planner import (
     KvPool,
     Layout,
     OverlappingDestination,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -37,7 +37,7 @@ def _kimi_conv(tp: int, rank: int, base: int, slots: int = 2) -> RankMemory:
     axis = sum(CHANNELS) // tp
     item = ROWS * axis  # 1-byte elements
     conv = StateTensor("conv", (base,), (item * slots,), item, axis, CHANNELS, outer_rows=ROWS)
-    return RankMemory(RankPosition(tp, rank), None, (StatePool(StateKind.MAMBA, Indexing.SLOT, (conv,)),))
+    return RankMemory(ParallelRank(tp, rank), None, (StatePool(StateKind.MAMBA, Indexing.SLOT, (conv,)),))
 
 
 def _full_slot() -> np.ndarray:
@@ -102,7 +102,7 @@ def test_rows_around_the_axis_must_agree() -> None:
     dst = _kimi_conv(2, 0, 1 << 40)
     with pytest.raises(GeometryMismatch, match="rows around the sharded axis differ"):
         prepare_peer(replace(src, state=(replace(src.state[0], tensors=(flat,)),)), dst)
-    same_tp = replace(dst, position=RankPosition(1, 0), state=src.state)
+    same_tp = replace(dst, position=ParallelRank(1, 0), state=src.state)
     with pytest.raises(GeometryMismatch, match="another order"):  # same TP, transposed on one side
         prepare_peer(replace(src, state=(replace(src.state[0], tensors=(flat,)),)), same_tp)
 
@@ -125,7 +125,7 @@ def _vllm(base: int) -> RankMemory:
     conv = StateTensor("conv", (base,), (length,), CONV, slot_stride=PAGE_STRIDE)
     ssm = StateTensor("ssm", (base,), (length,), SSM, slot_stride=PAGE_STRIDE, offset=CONV)
     mamba = StatePool(StateKind.MAMBA, Indexing.SLOT, (conv, ssm))
-    return RankMemory(RankPosition(1, 0), kv, (mamba,))
+    return RankMemory(ParallelRank(1, 0), kv, (mamba,))
 
 
 def test_aliased_groups_are_one_registration() -> None:
@@ -188,8 +188,8 @@ def test_layers_aliasing_at_different_bases_are_coalesced_across_entries() -> No
             item, 4, Layout.NHD, 1, 1, item // 4, page_stride=stride,
         )  # fmt: skip
 
-    src = RankMemory(RankPosition(1, 0), pool(base))
-    dst = RankMemory(RankPosition(1, 0), pool(base + (1 << 33)))
+    src = RankMemory(ParallelRank(1, 0), pool(base))
+    dst = RankMemory(ParallelRank(1, 0), pool(base + (1 << 33)))
     assert region_index(src).count == 2  # K layers share one registration, V layers another
     plan = prepare_peer(src, dst)
     table = plan.plan_kv_chunk(0, [0, 1], [2, 3]).table
@@ -200,7 +200,7 @@ def test_layers_aliasing_at_different_bases_are_coalesced_across_entries() -> No
 
 def test_state_kind_outside_the_model_is_refused_by_name() -> None:
     tail = StateTensor("k", (1 << 36,), (4096,), 512)
-    memory = RankMemory(RankPosition(1, 0), None, (StatePool(StateKind.DSA_TAIL, Indexing.ROW, (tail,)),))
+    memory = RankMemory(ParallelRank(1, 0), None, (StatePool(StateKind.DSA_TAIL, Indexing.ROW, (tail,)),))
     with pytest.raises(UnsupportedTransfer, match="state kind dsa_tail cannot be planned") as caught:
         regions(memory)
     assert caught.value.component == "state[0]:dsa_tail"
@@ -221,7 +221,7 @@ def _vllm_cpu(tp: int, rank: int, base: int) -> RankMemory:
         heads, CPU_HEADS, CPU_HEAD, page_stride=heads * head_stride, v_offset=CPU_SPAN,
         head_stride=head_stride,
     )  # fmt: skip
-    return RankMemory(RankPosition(tp, rank), kv)
+    return RankMemory(ParallelRank(tp, rank), kv)
 
 
 def _cpu_block(block: int, heads: range) -> list[int]:

@@ -26,8 +26,8 @@ from pdwire.runtime.planner import (
     Indexing,
     KvPool,
     Layout,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -228,7 +228,7 @@ def build_rank(world: World, side: str, tp_rank: int, pp_rank: int, full: FullDa
     rng = np.random.default_rng([world.seed, side == "prefill", tp_rank, pp_rank])
     base = ((5 + tp_rank) << 33) + (7 << 20) if world.high_addresses else 4096 * (1 + tp_rank)
     alloc = Allocator(base, world.region_gap, rng)
-    rank = Rank(RankMemory(RankPosition(tp, tp_rank)), alloc.space)
+    rank = Rank(RankMemory(ParallelRank(tp, tp_rank)), alloc.space)
     # a state component aliasing the KV layers: both share the KV buffers and one page stride
     alias = layout.alias_state and world.kv is not None and bool(world.components)
     alias_items = _tensor_items(world.components[0], tp, side) if alias else []
@@ -341,7 +341,7 @@ def build_rank(world: World, side: str, tp_rank: int, pp_rank: int, full: FullDa
         rank.views[("aux", str(ai), 0)] = (addr, item)
         aux.append(AuxBuffer(str(ai), addr, item * world.aux_pool_items, item))
     rank.memory = RankMemory(
-        RankPosition(tp, tp_rank, pp, stage, first_layer), kv_pool, tuple(components), tuple(aux)
+        ParallelRank(tp, tp_rank, pp, stage), kv_pool, tuple(components), tuple(aux), first_layer
     )
     if side == "prefill":
         fill_prefill(world, rank, full)

@@ -14,8 +14,8 @@ from pdwire.runtime.engine import (
     KvPool,
     Layout,
     MemoryKind,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -64,4 +64,4 @@ def hybrid(
             StatePool(StateKind.SWA, Indexing.PAGE, swa, heads=heads_geometry, memory_kind=MemoryKind.DRAM)
         )
     aux = (AuxBuffer("out", base + 30 * STRIDE, 64 * 8, 64),)
-    return RankMemory(RankPosition(tp, rank), kv, tuple(state), aux)
+    return RankMemory(ParallelRank(tp, rank), kv, tuple(state), aux)

@@ -15,9 +15,9 @@ from pdwire.runtime.planner import (
     Indexing,
     KvPool,
     Layout,
+    ParallelRank,
     PlanError,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     StateTensor,
@@ -96,7 +96,7 @@ def memory(
         scale = StateTensor("scale", (base + (6 << 30),), (16 * 4,), 4)
         state.append(StatePool(StateKind.BLOCK_SCALE, Indexing.PAGE, (scale,), replicated=True))
     aux = (AuxBuffer("out", base + (7 << 30), 4 * 16, 16),)
-    return RankMemory(RankPosition(tp, rank), kv, tuple(state), aux)
+    return RankMemory(ParallelRank(tp, rank), kv, tuple(state), aux)
 
 
 def roundtrip(msg: wire.Message, version: tuple[int, int] = wire.NEWEST) -> wire.Message:
@@ -119,7 +119,7 @@ def test_1_4_registration_rebuilds_strided_aliased_and_kimi_memory_exactly(
     assert isinstance(sent, wire.RegisterInfo)
     got = remote_memory(sent, prefill)
     assert got == decode
-    plan = prepare_peer(replace(prefill, position=RankPosition(p, p - 1)), got)
+    plan = prepare_peer(replace(prefill, position=ParallelRank(p, p - 1)), got)
     assert not plan.is_dummy  # MLA with TP-sharded state from a larger prefill TP: every rank writes
 
 
@@ -206,7 +206,7 @@ def _heads_apart(tp: int, rank: int, base: int) -> RankMemory:
         (base,), (base,), (blocks * heads * 2 * span,), heads * span, 4, Layout.HND, heads, 4, 8,
         page_stride=heads * 2 * span, v_offset=span, head_stride=2 * span,
     )  # fmt: skip
-    return RankMemory(RankPosition(tp, rank), kv)
+    return RankMemory(ParallelRank(tp, rank), kv)
 
 
 def test_1_4_registration_carries_the_head_stride_and_a_1_3_peer_is_refused_by_name() -> None:

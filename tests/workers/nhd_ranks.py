@@ -43,4 +43,4 @@ def rank(shape: Shape, backend_name: str, name: str, tp: int, r: int, fill: int 
         tuple(bases[: shape.layers]), tuple(bases[shape.layers :]), (size,) * shape.layers, item, shape.page,
         pd.Layout.NHD, heads, shape.heads, shape.head_bytes, memory_kind=pd.MemoryKind.DRAM,
     )  # fmt: skip
-    return Rank(backend, pools, pd.RankMemory(pd.RankPosition(tp, r), kv))
+    return Rank(backend, pools, pd.RankMemory(pd.ParallelRank(tp, r), kv))

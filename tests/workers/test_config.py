@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 from pdwire.runtime.engine import ConfigError, DecodeConfig, ParallelRank, PrefillConfig
+from pdwire.runtime.session.hello import geometry_of, rank_of
 
 from pdwire import wire
 
@@ -40,7 +41,7 @@ def test_engine_rank_is_unique_across_attention_dp_groups() -> None:
 
 def test_geometry_round_trips() -> None:
     r = ParallelRank(4, 3, 2, 1, 1, 0, 2, 1)
-    assert ParallelRank.from_geometry(r.geometry()) == r
+    assert rank_of(geometry_of(r), "peer") == r
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ from pdwire.runtime.engine import (
     KvPool,
     Layout,
     MemoryKind,
+    ParallelRank,
     RankMemory,
-    RankPosition,
     StateKind,
     StatePool,
     regions,
@@ -56,7 +56,7 @@ def test_a_hybrid_rank_is_described_from_its_tensors() -> None:
     mamba = tm.state_component(StateKind.MAMBA, Indexing.SLOT, [conv], device="cpu")
     aux = tm.aux_buffer("out", torch.zeros(5, 8, dtype=torch.int32))
     assert (aux.bytes_per_item, aux.region_len) == (32, 160)
-    memory = RankMemory(RankPosition(4, 1), kv, (mamba,), (aux,))
+    memory = RankMemory(ParallelRank(4, 1), kv, (mamba,), (aux,))
     assert len(regions(memory)) == 2 + 2 + 1 + 1  # K and V per layer, one conv layer, aux
 
 
@@ -148,13 +148,13 @@ def test_a_vllm_like_strided_layout_moves_byte_for_byte_into_a_packed_one_across
             [k], [v], page_size=page, layout=Layout.NHD, kv_heads_per_rank=heads // tp, total_kv_heads=heads
         )
 
-    src = RankMemory(RankPosition(1, 0), pool(kv[:, 0], kv[:, 1], 1), (mamba(conv, ssm),))
+    src = RankMemory(ParallelRank(1, 0), pool(kv[:, 0], kv[:, 1], 1), (mamba(conv, ssm),))
     for rank in range(2):  # decode TP 2, packed tensors of its own
         k = torch.zeros(blocks, page, heads // 2, hd, dtype=torch.uint8)
         v = torch.zeros_like(k)
         d_conv = torch.zeros(blocks, conv_c // 2, width, dtype=torch.uint8)
         d_ssm = torch.zeros(blocks, ssm_h // 2, state, dtype=torch.uint8)
-        dst = RankMemory(RankPosition(2, rank), pool(k, v, 2), (mamba(d_conv, d_ssm),))
+        dst = RankMemory(ParallelRank(2, rank), pool(k, v, 2), (mamba(d_conv, d_ssm),))
         _moved(src, dst, [4, 1, 2], [0, 5, 3], (2, 1))
         h = slice(rank * heads // 2, (rank + 1) * heads // 2)
         assert torch.equal(k[[0, 5, 3]], kv[[4, 1, 2], 0][:, :, h])

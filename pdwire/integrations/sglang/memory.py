@@ -376,9 +376,7 @@ def state_kinds(args: Any) -> list[str]:
 def rank_memory(args: Any, geo: Geometry) -> pd.RankMemory:
     """``RankMemory`` of one SGLang rank; :class:`KVArgsError` names what does not fit."""
     first_layer = int(_get(args, "prefill_start_layer", 0) or 0)
-    r = geo.rank
-    position = pd.RankPosition(r.tp_size, r.tp_rank, r.pp_size, r.pp_rank, first_layer)
     kinds: Sequence[str] = state_kinds(args)
     kv = _kv_pool(args, geo)
     state = tuple(_state_component(args, ci, k, geo) for ci, k in enumerate(kinds))
-    return pd.RankMemory(position, kv=kv, state=state, aux=_aux(args))
+    return pd.RankMemory(geo.rank, kv=kv, state=state, aux=_aux(args), first_layer=first_layer)

@@ -136,7 +136,7 @@ def describe(
     if kv is None:
         raise LayoutError("no full-attention KV cache group: pdwire needs one KV page list per request")
     memory = pd.RankMemory(
-        pd.RankPosition(tp_size=tp_size, tp_rank=tp_rank, first_layer=0),
+        pd.ParallelRank(tp_size=tp_size, tp_rank=tp_rank),
         kv=kv,
         state=tuple(state),
     )
