@@ -19,9 +19,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
-from pdwire.runtime.control_auth import ControlAuth
 from pdwire.demo.model import Capacity, ModelSpec
 from pdwire.demo.rank import RankConfig, rank_main
+from pdwire.runtime.control_auth import ControlAuth
 
 
 class ClusterError(RuntimeError):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+
 from pdwire.demo.model import ModelSpec, RankCaches
 from pdwire.demo.spec import pages_for as pages_for  # re-exported: callers import it from here
 from pdwire.runtime.engine import RequestIndices

@@ -42,11 +42,12 @@ from enum import IntEnum
 
 import msgspec
 import numpy as np
+
 from pdwire.runtime.backends import shm
+from pdwire.runtime.backends.jobs import Job, JobWorker
 from pdwire.runtime.backends.metadata import pid_alive
 from pdwire.runtime.backends.mori import MoriBackend
 from pdwire.runtime.backends.values import DONE, HostBuffer, PollResult
-from pdwire.runtime.backends.jobs import Job, JobWorker
 
 
 class MemoryLocationType(IntEnum):

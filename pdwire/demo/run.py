@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from pdwire.demo.cli import EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_VERIFY_FAILED
 from pdwire.demo.cluster import Cluster, ClusterError, RoomResult, busy_seconds
 from pdwire.demo.spec import Capacity, ModelSpec, pages_for

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdwire.runtime.control_auth import generate_directory
 from pdwire.demo.cli import EXIT_NOT_RUN
-from pdwire.demo.spec import ModelSpec, pages_for
-from pdwire.serve.admin import admin_call
 from pdwire.demo.local_etcd import LocalEtcd
+from pdwire.demo.spec import ModelSpec, pages_for
+from pdwire.runtime.control_auth import generate_directory
+from pdwire.serve.admin import admin_call
 
 
 def _tail(path: Path, n: int = 30) -> str:

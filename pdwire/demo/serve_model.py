@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdwire.runtime import engine as pd
+from pdwire import wire
 from pdwire.demo.content import (
     RoomSlots,
     fill,
@@ -23,9 +23,8 @@ from pdwire.demo.content import (
 )
 from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 from pdwire.demo.rank import SlotPool, model_fingerprint
+from pdwire.runtime import engine as pd
 from pdwire.serve.config import MemorySettings
-
-from pdwire import wire
 
 
 def spec_of(m: MemorySettings) -> ModelSpec:
