@@ -76,7 +76,7 @@ from pdwire.runtime.session.failures import (
     RegistrationMismatch,
     SessionError,
 )
-from pdwire.runtime.session.group_connect import GroupState
+from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status, is_terminal
 from pdwire.runtime.workers.decode import DecodeStats, DecodeWorker, PrefillGroup
 from pdwire.runtime.workers.prefill import PrefillStats, PrefillWorker

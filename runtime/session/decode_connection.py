@@ -1,20 +1,19 @@
 """The decode side of one prefill rank's control connection: a pure state machine (h11 style).
 
 :meth:`DecodeConnection.start` says the Hello to send; each decoded message from the prefill
-rank goes to :meth:`DecodeConnection.receive`, which returns :mod:`.events`. The handshake is
-``HELLO_SENT`` (our Hello is out) -> ``REGISTERING`` (their Hello passed the same checks both
-sides run, our RegisterInfo is out at the agreed version) -> ``READY`` (their answer accepted
-it: a ``RegisterAck`` from the version that introduced it, a ``TransferStatus`` for the reserved
-room 0 before) or ``REFUSED`` with the cause named: the peer's reason, a version that cannot
-carry this rank's memory (``DowngradeError``), a peer that says it is another rank than the one
-expected at that endpoint, or the handshake deadline (:meth:`on_tick`). Once ready, statuses,
-notifications on the control socket and AbortAcks become typed room events.
+rank goes to :meth:`DecodeConnection.receive`, which returns :mod:`.events`. Its moves are the
+table ``DECODE_CONNECTION`` in :mod:`.states`. The Hello passes the same checks both sides run,
+then our RegisterInfo goes at the agreed version, and their answer (a ``RegisterAck`` from the
+version that introduced it, a ``TransferStatus`` for the reserved room 0 before) makes the
+connection ready, or it is refused with the cause named: the peer's reason, a version that
+cannot carry this rank's memory (``DowngradeError``), a peer that says it is another rank than
+the one expected at that endpoint, or the handshake deadline (:meth:`on_tick`). Once ready,
+statuses, notifications on the control socket and AbortAcks become typed room events.
 
 After this rank revoked the prefill rank (cut it off its memory), :meth:`reregister` sends a
-RegisterInfo with new metadata (new windows): ``READY`` -> ``REREGISTERING`` -> ``READY`` when
-accepted, or ``RETRY`` when refused (a NIXL prefill rank refuses while its old transfers to
-this rank are still stopping; the edge registers again later). Room messages keep flowing
-meanwhile; only a ready connection takes new rooms.
+RegisterInfo with new metadata (new windows); a refusal (a NIXL prefill rank refuses while its
+old transfers to this rank are still stopping) leaves it in ``RETRY`` and the edge registers
+again later. Room messages keep flowing meanwhile; only a ready connection takes new rooms.
 
 The builders (:meth:`transfer_request`, :meth:`abort`) turn the session's actions into
 messages; the edge encodes every :class:`~.events.Send` at the version it carries.
@@ -23,7 +22,6 @@ messages; the edge encodes every :class:`~.events.Send` at the version it carrie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 from pdwire.runtime.config import ParallelRank
@@ -50,18 +48,10 @@ from pdwire.runtime.session.hello import (
 )
 from pdwire.runtime.session.registration import check_layout_version, heads_from_wire, register_info
 from pdwire.runtime.session.stage_layers import HeldLayers
+from pdwire.runtime.session.states import DECODE_CONNECTION, DecodeConnState, StateField
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
-
-
-class DecodeConnState(Enum):
-    HELLO_SENT = "hello_sent"
-    REGISTERING = "registering"
-    READY = "ready"
-    REFUSED = "refused"
-    REREGISTERING = "reregistering"  # registered again after a revocation, no answer yet
-    RETRY = "retry"  # that registration was refused: the edge tries again later
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +97,8 @@ class Expected:
 
 class DecodeConnection:
     """One prefill rank, seen from this decode rank. See the module notes."""
+
+    state = StateField(DECODE_CONNECTION)  # every move checked against its table (:mod:`.states`)
 
     def __init__(
         self, local: DecodeLocal, endpoint: str, deadline: float, expected: Expected | None = None

@@ -1,4 +1,5 @@
-"""One room on one decode rank: completion accounting, a pure state machine.
+"""One room on one decode rank: completion accounting, a pure state machine (its moves:
+``DECODE_ROOM`` in :mod:`.states`).
 
 Decode knows, from the rank routing, which prefill senders feed it and what each owes:
 every KV chunk (their number is learned from the chunk flagged last), each state component
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 
 from pdwire.runtime.session.actions import Action, PeerRef, ReleaseRoom, ReleaseSlots, RevokePeer, SendAbort
 from pdwire.runtime.session.failures import Failure, FailureKind
+from pdwire.runtime.session.states import DECODE_ROOM, StateField
 from pdwire.runtime.session.status import Status, is_terminal
 from pdwire.wire import NotificationKind
 
@@ -72,6 +74,8 @@ class SenderPlan:
 
 
 class DecodeRoom:
+    status = StateField(DECODE_ROOM)  # every move checked against its table (:mod:`.states`)
+
     def __init__(
         self,
         room: int,
@@ -146,7 +150,7 @@ class DecodeRoom:
     # -- events ----------------------------------------------------------------------
 
     def on_requests_sent(self) -> None:
-        if not self.finished:
+        if self.status is Status.BOOTSTRAPPING:  # not after a completion overtook it
             self.status = Status.WAITING_FOR_INPUT
 
     def on_notification(

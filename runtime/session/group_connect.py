@@ -6,10 +6,10 @@ this machine orders them (one after another: with NIXL 1.5.1, two prefill proces
 same decode agent at the same moment left one's writes pending until their timeout), checks
 that the ranks are one group, and holds the rooms asked of the group before it is ready.
 
-``CONNECTING`` -> ``READY`` (every rank registered, all of one engine and DP group, and, when
-every rank named the layers it holds (1.4), its PP stages hold each of this rank's layers once:
-:mod:`.stage_layers`) or ``FAILED`` (a rank refused, the handshake deadline passed, or the ranks
-are not one group or leave layers unwritten).
+It is ready (``GROUP_CONNECT`` in :mod:`.states`) once every rank registered, all of one
+engine and DP group, and, when every rank named the layers it holds (1.4), its PP stages hold
+each of this rank's layers once (:mod:`.stage_layers`); it fails when a rank refused, the
+handshake deadline passed, or the ranks are not one group or leave layers unwritten.
 A held room waits inside its own deadline: it starts when the group becomes ready, and fails
 typed (``handshake`` with the cause, or ``timeout`` at its deadline) otherwise. Nothing was
 sent for a held room, so no writer can touch its slots: they are the engine's again at once.
@@ -23,18 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.decode_connection import Expected
 from pdwire.runtime.session.failures import Failure, FailureKind
 from pdwire.runtime.session.stage_layers import HeldLayers, coverage_problem
-
-
-class GroupState(Enum):
-    CONNECTING = "connecting"
-    READY = "ready"
-    FAILED = "failed"
+from pdwire.runtime.session.states import GROUP_CONNECT, GroupState, StateField
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +100,8 @@ GroupAction = OpenLink | GroupConnected | GroupFailed | StartHeld | FailHeld
 class GroupConnect:
     """One group's connect; see the module notes. ``deadline``: the handshake deadline;
     ``own_layers``: the layers this decode rank holds (None: not checked)."""
+
+    state = StateField(GROUP_CONNECT)
 
     def __init__(
         self, specs: Sequence[LinkSpec], deadline: float, own_layers: HeldLayers | None = None

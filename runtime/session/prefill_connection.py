@@ -35,7 +35,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -68,17 +67,10 @@ from pdwire.runtime.session.registration import (
     remote_memory,
 )
 from pdwire.runtime.session.stage_layers import HeldLayers
+from pdwire.runtime.session.states import PREFILL_CONNECTION, PrefillConnState, StateField
 from pdwire.runtime.session.status import Status
 
 from pdwire import wire
-
-
-class PrefillConnState(Enum):
-    AWAIT_HELLO = "await_hello"
-    REFUSED = "refused"  # the Hello was refused: a RegisterInfo gets the refusal, nothing else works
-    AWAIT_REGISTRATION = "await_registration"
-    ADDING_PEER = "adding_peer"  # the engine is adding the peer (AddPeer)
-    READY = "ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +90,8 @@ class PrefillLocal:
 
 class PrefillConnection:
     """One decode peer (one ROUTER identity). See the module notes."""
+
+    state = StateField(PREFILL_CONNECTION)  # every move checked against its table (:mod:`.states`)
 
     def __init__(self, local: PrefillLocal) -> None:
         self.local = local

@@ -1,8 +1,8 @@
-"""One room on one prefill rank: a pure state machine.
+"""One room on one prefill rank: a pure state machine (its moves: ``PREFILL_ROOM`` in :mod:`.states`).
 
-Bootstrapping (collecting ``required_dst_info_num`` transfer requests) -> WaitingForInput
-(all requests in, waiting for chunked prefill to produce pages) -> Transferring (posts in
-flight) -> Success | Failed (draining while transfers stop) -> ended.
+Bootstrapping collects ``required_dst_info_num`` transfer requests, WaitingForInput waits for
+chunked prefill to produce pages, Transferring has posts in flight; a Failed room drains while
+its transfers stop.
 
 Every event carries its indices: a target's request brings the destination pages, state
 indices and aux item it asked for (:class:`Destination`), each chunk the source pages the
@@ -48,6 +48,7 @@ from pdwire.runtime.session.actions import (
     StatePart,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind, ProtocolViolation
+from pdwire.runtime.session.states import PREFILL_ROOM, StateField
 from pdwire.runtime.session.status import Status, is_terminal
 
 
@@ -98,6 +99,8 @@ class Chunk:
 
 
 class PrefillRoom:
+    status = StateField(PREFILL_ROOM)  # every move checked against its table (:mod:`.states`)
+
     def __init__(self, room: int, deadline: float, next_xfer_id: Callable[[], int]) -> None:
         self.room = room
         self.deadline = deadline

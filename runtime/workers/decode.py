@@ -52,8 +52,8 @@ from pdwire.runtime.planner import RankMemory
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import HandshakeError
-from pdwire.runtime.session.group_connect import GroupState
 from pdwire.runtime.session.hello import Identity
+from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import Copier
 from pdwire.runtime.workers.backoff import WAKEUP_FALLBACK_MS, PollBackoff

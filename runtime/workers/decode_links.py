@@ -22,7 +22,7 @@ from pdwire.runtime.config import ConfigError, DecodeConfig
 from pdwire.runtime.control_auth import ControlAuth
 from pdwire.runtime.planner import DecodeRoute, RankMemory, has_tp_sharded_state, route_decode_rank
 from pdwire.runtime.session.actions import PeerRef
-from pdwire.runtime.session.decode_connection import DecodeConnection, DecodeConnState, DecodeLocal, Expected
+from pdwire.runtime.session.decode_connection import DecodeConnection, DecodeLocal, Expected
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.events import Completed, DecodeEvent, Ready, Refused, Send
 from pdwire.runtime.session.failures import HandshakeError
@@ -33,7 +33,6 @@ from pdwire.runtime.session.group_connect import (
     GroupConnected,
     GroupFailed,
     GroupIdentity,
-    GroupState,
     LinkSpec,
     OpenLink,
     StartHeld,
@@ -41,6 +40,7 @@ from pdwire.runtime.session.group_connect import (
 from pdwire.runtime.session.group_route import GroupRoute
 from pdwire.runtime.session.hello import FENCE_SINCE
 from pdwire.runtime.session.stage_layers import HeldLayers
+from pdwire.runtime.session.states import DecodeConnState, GroupState
 from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, log_refusal, refusal_text
 from pdwire.runtime.workers.failure_log import FailureLog, log
 from pdwire.runtime.workers.scatter import ScatterReceiver
