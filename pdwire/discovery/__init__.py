@@ -16,6 +16,7 @@ from pdwire.discovery.entry import (
     encode_entry,
     entry_key,
     rank_name,
+    role_name,
 )
 from pdwire.discovery.etcd import EtcdDiscovery
 from pdwire.discovery.membership import (
@@ -57,5 +58,6 @@ __all__ = [
     "open_discovery",
     "parse_engine_flag",
     "rank_name",
+    "role_name",
     "static_entries",
 ]

@@ -6,7 +6,7 @@ One small contract, two implementations (:mod:`.static`, :mod:`.etcd`)::
     disc.register(my_entry)            # kept alive in the background until withdraw()/close()
     for change in disc.poll(timeout_s=0.5):   # Joined / Left / Restarted / Rejected / RegistryLost ...
         ...
-    disc.membership.complete_groups("prefill")   # the current view, by engine
+    disc.membership.complete_groups(wire.Role.PREFILL)   # the current view, by engine
     disc.close()                       # withdraws the entry: peers see it leave at once
 
 An implementation only produces :data:`~.membership.RegistryEvent` values
@@ -22,7 +22,8 @@ import logging
 from abc import ABC, abstractmethod
 from types import TracebackType
 
-from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role
+from pdwire import wire
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry
 from pdwire.discovery.membership import (
     Change,
     Membership,
@@ -45,7 +46,7 @@ class Discovery(ABC):
 
     kind: str = ""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX, roles: tuple[Role, ...] = ROLES) -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX, roles: tuple[wire.Role, ...] = ROLES) -> None:
         self.membership = Membership(prefix, roles)
         self.entries: dict[str, RankEntry] = {}  # key -> what this process registered
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs
 
+from pdwire import wire
 from pdwire.discovery.base import Discovery, DiscoveryError
-from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, check_prefix
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, check_prefix
 from pdwire.discovery.etcd import DEFAULT_TTL_S, EtcdDiscovery
 from pdwire.discovery.static import StaticDiscovery
 from pdwire.runtime.endpoints import EndpointError, parse_host_port
@@ -23,7 +24,7 @@ ENV = "PDWIRE_DISCOVERY"
 def open_discovery(
     spec: str | None = None,
     *,
-    roles: tuple[Role, ...] = ROLES,
+    roles: tuple[wire.Role, ...] = ROLES,
     static: list[RankEntry] | None = None,
 ) -> Discovery:
     """The discovery ``spec`` names (default: ``$PDWIRE_DISCOVERY``; with neither, ``static``'s entries)."""

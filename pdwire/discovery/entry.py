@@ -21,18 +21,17 @@ where ``<rank>`` is :func:`rank_name` of the entry's geometry.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import msgspec
 
+from pdwire import wire
 from pdwire.runtime.endpoints import EndpointError, check_advertisable, parse_zmq_endpoint
 
 ENTRY_FORMAT = 1
 MAX_ENTRY_BYTES = 16 * 1024
 DEFAULT_PREFIX = "/pdwire"
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+ROLES: tuple[wire.Role, ...] = tuple(wire.Role)  # the wire's roles: the registry keeps no type of its own
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 _VERSION = re.compile(r"^(0|[1-9][0-9]{0,4})\.(0|[1-9][0-9]{0,4})$")
@@ -74,7 +73,7 @@ class RankEntry(msgspec.Struct, frozen=True):
     another incarnation is a restarted rank.
     """
 
-    role: Role
+    role: wire.Role  # spelled by name in keys and JSON (:func:`role_name`), never by number
     engine_id: str
     geometry: Geometry
     incarnation: str
@@ -93,7 +92,21 @@ class RankEntry(msgspec.Struct, frozen=True):
     @property
     def label(self) -> str:
         """``prefill prefill-a tp1.pp0``: how logs name the rank."""
-        return f"{self.role} {self.engine_id} {self.rank}"
+        return f"{role_name(self.role)} {self.engine_id} {self.rank}"
+
+
+def role_name(role: wire.Role) -> str:
+    """How keys, JSON, static lists and flags spell ``role``: ``prefill``, ``decode``."""
+    return role.name.lower()
+
+
+def role_named(text: object, where: str, at: str = "") -> wire.Role:
+    """The role spelled ``text``; a :class:`RegistryEntryError` naming ``where`` (and ``at``) if none is."""
+    for role in ROLES:
+        if text == role_name(role):
+            return role
+    names = ", ".join(map(role_name, ROLES))
+    raise RegistryEntryError(where, f"{at}role {text!r} is not one of {names}")
 
 
 def rank_name(g: Geometry) -> str:
@@ -114,12 +127,12 @@ def check_prefix(prefix: str) -> str:
 
 
 def entry_key(prefix: str, entry: RankEntry) -> str:
-    return f"{prefix}/{entry.role}/{entry.engine_id}/{entry.rank}"
+    return f"{prefix}/{role_name(entry.role)}/{entry.engine_id}/{entry.rank}"
 
 
-def role_prefix(prefix: str, role: Role) -> str:
+def role_prefix(prefix: str, role: wire.Role) -> str:
     """The key prefix a watcher of ``role`` ranks reads (with its trailing slash)."""
-    return f"{prefix}/{role}/"
+    return f"{prefix}/{role_name(role)}/"
 
 
 def _fail(key: str, field: str, detail: str) -> RegistryEntryError:
@@ -139,7 +152,7 @@ def validate(entry: RankEntry, key: str) -> RankEntry:
             raise _fail(key, f"geometry.{axis}_size", f"{size} is outside 1..65536")
         if not 0 <= rank < size:
             raise _fail(key, f"geometry.{axis}_rank", f"{rank} is not below {axis}_size {size}")
-    if entry.control or entry.role == "prefill":  # decode ranks listen on nothing
+    if entry.control or entry.role is wire.Role.PREFILL:  # decode ranks listen on nothing
         try:
             check_advertisable(parse_zmq_endpoint(entry.control), "control endpoint")
         except EndpointError as exc:
@@ -160,14 +173,26 @@ def validate(entry: RankEntry, key: str) -> RankEntry:
 
 
 _ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder(RankEntry, strict=True)
+_DECODER = msgspec.json.Decoder()  # to builtins: the role is read by name (:func:`_entry_of`)
+
+
+def _entry_of(data: object, where: str) -> RankEntry:
+    """Decoded JSON (or a static file's item) as a RankEntry: strict msgspec types (a string
+    where a number belongs is refused, never coerced), the role by its name only."""
+    if isinstance(data, dict) and "role" in data:
+        data = {**data, "role": role_named(data["role"], where, "RankEntry: at `$.role`: ")}
+    try:
+        return msgspec.convert(data, RankEntry, strict=True)
+    except msgspec.ValidationError as exc:
+        # msgspec names the path: "Expected `int`, got `str` - at `$.geometry.tp_size`"
+        raise RegistryEntryError(where, f"RankEntry: {exc}") from None
 
 
 def encode_entry(entry: RankEntry, prefix: str = DEFAULT_PREFIX) -> tuple[str, bytes]:
     """(key, value) for ``entry``, validated first: this rank never writes what peers refuse."""
     key = entry_key(check_prefix(prefix), entry)
     validate(entry, key)
-    return key, _ENCODER.encode(entry)
+    return key, _ENCODER.encode({**msgspec.structs.asdict(entry), "role": role_name(entry.role)})
 
 
 def decode_entry(key: str, value: bytes, prefix: str = DEFAULT_PREFIX) -> RankEntry:
@@ -175,13 +200,10 @@ def decode_entry(key: str, value: bytes, prefix: str = DEFAULT_PREFIX) -> RankEn
     if len(value) > MAX_ENTRY_BYTES:
         raise RegistryEntryError(key, f"{len(value)} bytes (at most {MAX_ENTRY_BYTES})")
     try:
-        entry = _DECODER.decode(value)
-    except msgspec.ValidationError as exc:
-        # msgspec names the path: "Expected `int`, got `str` - at `$.geometry.tp_size`"
-        raise RegistryEntryError(key, f"RankEntry: {exc}") from None
+        data = _DECODER.decode(value)
     except msgspec.DecodeError as exc:
         raise RegistryEntryError(key, f"not a JSON object: {exc}") from None
-    validate(entry, key)
+    entry = validate(_entry_of(data, key), key)
     expected = entry_key(prefix, entry)
     if key != expected:
         raise RegistryEntryError(
@@ -192,8 +214,4 @@ def decode_entry(key: str, value: bytes, prefix: str = DEFAULT_PREFIX) -> RankEn
 
 def entry_from_dict(data: object, where: str) -> RankEntry:
     """An entry from already-parsed data (a static file's list item), with the same checks."""
-    try:
-        entry = msgspec.convert(data, RankEntry, strict=True)
-    except msgspec.ValidationError as exc:
-        raise RegistryEntryError(where, f"RankEntry: {exc}") from None
-    return validate(entry, where)
+    return validate(_entry_of(data, where), where)

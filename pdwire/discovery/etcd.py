@@ -32,8 +32,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pdwire import wire
 from pdwire.discovery.base import Discovery, log
-from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, Role, encode_entry
+from pdwire.discovery.entry import DEFAULT_PREFIX, ROLES, RankEntry, encode_entry
 from pdwire.discovery.membership import (
     Delete,
     Put,
@@ -131,7 +132,7 @@ class EtcdDiscovery(Discovery):
         endpoints: Sequence[str] = (f"127.0.0.1:{DEFAULT_PORT}",),
         *,
         prefix: str = DEFAULT_PREFIX,
-        roles: tuple[Role, ...] = ROLES,
+        roles: tuple[wire.Role, ...] = ROLES,
         ttl_s: int = DEFAULT_TTL_S,
         request_timeout_s: float = 2.0,
         watch_idle_s: float = 5.0,

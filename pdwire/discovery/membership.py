@@ -28,16 +28,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pdwire import wire
 from pdwire.discovery.entry import (
     DEFAULT_PREFIX,
     ROLES,
     Geometry,
     RankEntry,
     RegistryEntryError,
-    Role,
     check_prefix,
     decode_entry,
     rank_name,
+    role_name,
     role_prefix,
 )
 
@@ -156,7 +157,7 @@ def describe(change: Change) -> str:
 class EngineGroup:
     """The registered ranks of one engine (all ranks of one role sharing an engine id)."""
 
-    role: Role
+    role: wire.Role
     engine_id: str
     geometry: Geometry  # sizes from the ranks (their rank fields are meaningless here)
     ranks: dict[str, RankEntry]  # rank_name -> entry
@@ -183,7 +184,7 @@ class EngineGroup:
                 Geometry(g.tp_size, t, g.pp_size, pp_rank, g.cp_size, cp_rank, g.dp_size, dp_rank)
             )
             if name not in self.ranks:
-                raise KeyError(f"{self.role} {self.engine_id}: rank {name} is not registered")
+                raise KeyError(f"{role_name(self.role)} {self.engine_id}: rank {name} is not registered")
             out.append(self.ranks[name].control)
         return out
 
@@ -198,7 +199,7 @@ def _expected_ranks(g: Geometry) -> list[str]:
     ]
 
 
-def _group(role: Role, engine_id: str, entries: list[RankEntry]) -> EngineGroup:
+def _group(role: wire.Role, engine_id: str, entries: list[RankEntry]) -> EngineGroup:
     problems: list[str] = []
     first = entries[0]
     for e in entries[1:]:
@@ -220,7 +221,7 @@ class Membership:
     """The registered ranks under ``prefix`` for the watched ``roles``; see the module docstring."""
 
     prefix: str = DEFAULT_PREFIX
-    roles: tuple[Role, ...] = ROLES
+    roles: tuple[wire.Role, ...] = ROLES
     revision: int = 0
     reachable: bool = True
     _entries: dict[str, RankEntry] = field(default_factory=dict)
@@ -308,10 +309,10 @@ class Membership:
 
     # ---------------------------------------------------------------- the view
 
-    def entries(self, role: Role | None = None) -> dict[str, RankEntry]:
+    def entries(self, role: wire.Role | None = None) -> dict[str, RankEntry]:
         return {k: e for k, e in self._entries.items() if role is None or e.role == role}
 
-    def groups(self, role: Role) -> dict[str, EngineGroup]:
+    def groups(self, role: wire.Role) -> dict[str, EngineGroup]:
         by_engine: dict[str, list[RankEntry]] = {}
         for e in self._entries.values():
             if e.role == role:
@@ -320,5 +321,5 @@ class Membership:
             eid: _group(role, eid, sorted(es, key=lambda e: e.rank)) for eid, es in sorted(by_engine.items())
         }
 
-    def complete_groups(self, role: Role) -> dict[str, EngineGroup]:
+    def complete_groups(self, role: wire.Role) -> dict[str, EngineGroup]:
         return {eid: g for eid, g in self.groups(role).items() if g.complete}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from pdwire import wire
 from pdwire.discovery.base import Discovery, DiscoveryError, log
 from pdwire.discovery.entry import (
     DEFAULT_PREFIX,
@@ -35,9 +36,10 @@ from pdwire.discovery.entry import (
     Geometry,
     RankEntry,
     RegistryEntryError,
-    Role,
     encode_entry,
     entry_from_dict,
+    role_name,
+    role_named,
     validate,
 )
 from pdwire.discovery.membership import Reachable, RegistryEvent, Snapshot, Unreachable
@@ -45,9 +47,11 @@ from pdwire.discovery.membership import Reachable, RegistryEvent, Snapshot, Unre
 STATIC_INCARNATION = "static"
 
 
-def static_entries(role: Role, engine_id: str, endpoints: Sequence[str], where: str = "") -> list[RankEntry]:
+def static_entries(
+    role: wire.Role, engine_id: str, endpoints: Sequence[str], where: str = ""
+) -> list[RankEntry]:
     """One validated entry per TP rank of an engine listed as endpoints in TP rank order (pp = 1)."""
-    where = where or f"{role} {engine_id}"
+    where = where or f"{role_name(role)} {engine_id}"
     if not endpoints:
         raise RegistryEntryError(where, "no endpoints listed")
     entries = [
@@ -63,13 +67,15 @@ def static_entries(role: Role, engine_id: str, endpoints: Sequence[str], where: 
     return [validate(e, f"{where}[{r}]") for r, e in enumerate(entries)]
 
 
-def parse_engine_flag(role: Role, text: str) -> list[RankEntry]:
+def parse_engine_flag(role: wire.Role, text: str) -> list[RankEntry]:
     """``ENGINE=tcp://h:p[,tcp://h:p...]`` (a ``--prefill`` flag) -> its entries."""
     engine_id, sep, rest = text.partition("=")
     if not sep or not rest:
         raise DiscoveryError(f"{text!r}: expected ENGINE=tcp://host:port[,tcp://host:port...]")
     try:
-        return static_entries(role, engine_id, [ep.strip() for ep in rest.split(",")], f"--{role} {text}")
+        return static_entries(
+            role, engine_id, [ep.strip() for ep in rest.split(",")], f"--{role_name(role)} {text}"
+        )
     except RegistryEntryError as exc:
         raise DiscoveryError(str(exc)) from None
 
@@ -85,8 +91,7 @@ def _entries_from_data(data: object, where: str) -> list[RankEntry]:
     if not isinstance(engines, dict):
         raise RegistryEntryError(where, "'engines' must map a role to {engine_id: [endpoints]}")
     for role, by_id in engines.items():
-        if role not in ROLES:
-            raise RegistryEntryError(f"{where}: engines", f"role {role!r} is not one of {ROLES}")
+        kind = role_named(role, f"{where}: engines")
         if not isinstance(by_id, dict):
             raise RegistryEntryError(f"{where}: engines.{role}", "must map engine ids to endpoint lists")
         for eid, eps in by_id.items():
@@ -94,7 +99,7 @@ def _entries_from_data(data: object, where: str) -> list[RankEntry]:
                 raise RegistryEntryError(
                     f"{where}: engines.{role}.{eid}", "must be a non-empty list of endpoints"
                 )
-            out += static_entries(role, str(eid), eps, f"{where}: engines.{role}.{eid}")
+            out += static_entries(kind, str(eid), eps, f"{where}: engines.{role}.{eid}")
     ranks = data.get("ranks") or []
     if not isinstance(ranks, list):
         raise RegistryEntryError(where, "'ranks' must be a list of entries")
@@ -131,7 +136,7 @@ class StaticDiscovery(Discovery):
         *,
         path: str | os.PathLike[str] | None = None,
         prefix: str = DEFAULT_PREFIX,
-        roles: tuple[Role, ...] = ROLES,
+        roles: tuple[wire.Role, ...] = ROLES,
     ) -> None:
         super().__init__(prefix, roles)
         self._flag_entries = list(entries)

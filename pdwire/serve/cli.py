@@ -176,11 +176,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _setup_logging(cfg)
     log = logging.getLogger("pdwire.serve")
+    from pdwire import wire
     from pdwire.discovery import DiscoveryError, open_discovery, parse_engine_flag
 
     try:
-        static = [e for text in cfg.prefill for e in parse_engine_flag("prefill", text)]
-        roles: tuple[Any, ...] = ("prefill",) if cfg.role == "decode" else ()
+        static = [e for text in cfg.prefill for e in parse_engine_flag(wire.Role.PREFILL, text)]
+        roles = (wire.Role.PREFILL,) if cfg.role == "decode" else ()
         discovery = open_discovery(cfg.discovery, roles=roles, static=static)
     except (DiscoveryError, ValueError) as exc:
         log.error("discovery: %s", exc)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from pdwire import wire
 from pdwire.discovery import Discovery, EngineGroup
 from pdwire.runtime import engine as pd
 from pdwire.serve.admin import AdminSocket
@@ -219,7 +220,7 @@ class DecodeServer:
                         rk.worker.abort(req.room, f"prefill {st.engine_id}: {why}")
 
     def _reconcile(self, now: float) -> None:
-        seen = self.discovery.membership.groups("prefill")
+        seen = self.discovery.membership.groups(wire.Role.PREFILL)
         for eid, st in list(self.groups.items()):
             if eid not in seen:
                 why = "every rank left the registry (stopped, or their leases expired)"

@@ -104,7 +104,7 @@ def model_label(model: wire.ModelFingerprint) -> str:
 
 def registry_entry(cfg: ServeConfig, parts: RankParts, hello: wire.Hello, control: str) -> RankEntry:
     return RankEntry(
-        role="prefill" if cfg.role == "prefill" else "decode",
+        role=wire.Role.PREFILL if cfg.role == "prefill" else wire.Role.DECODE,
         engine_id=cfg.engine_id,
         geometry=Geometry(tp_size=cfg.tp, tp_rank=parts.tp_rank),
         incarnation=parts.incarnation,

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+from pdwire import wire
 from pdwire.discovery import Geometry, RankEntry, open_discovery
 
 
@@ -19,7 +20,7 @@ def main() -> None:
     spec, engine, tp_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     incarnation = f"{os.getpid()}-{time.time_ns()}"
     entry = RankEntry(
-        role="prefill",
+        role=wire.Role.PREFILL,
         engine_id=engine,
         geometry=Geometry(tp_size=2, tp_rank=tp_rank),
         control=f"tcp://127.0.0.1:{17000 + tp_rank}",
@@ -28,7 +29,7 @@ def main() -> None:
         protocol=("1.3",),
         pid=os.getpid(),
     )
-    disc = open_discovery(spec, roles=("prefill",))
+    disc = open_discovery(spec, roles=(wire.Role.PREFILL,))
     signal.signal(signal.SIGTERM, lambda *_: (disc.close(), sys.exit(0)))
     disc.register(entry)
     announced = False

@@ -11,11 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pdwire.runtime.endpoints import EndpointError, HostPort, check_advertisable, parse_host_port
 
+from pdwire import wire
 from pdwire.discovery import Geometry, RankEntry, RegistryEntryError, decode_entry, encode_entry
 from pdwire.discovery.entry import entry_from_dict, rank_name
 
 ENTRY = RankEntry(
-    role="prefill",
+    role=wire.Role.PREFILL,
     engine_id="prefill-a",
     geometry=Geometry(tp_size=2, tp_rank=1),
     control="tcp://10.0.0.1:17001",
@@ -27,7 +28,7 @@ ENTRY = RankEntry(
 
 
 def _as_json(entry: RankEntry = ENTRY) -> dict[str, object]:
-    data: dict[str, object] = json.loads(msgspec.json.encode(entry))
+    data: dict[str, object] = json.loads(encode_entry(entry)[1])
     return data
 
 

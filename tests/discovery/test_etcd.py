@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import msgspec
-
+from pdwire import wire
 from pdwire.discovery import (
     Change,
     Discovery,
@@ -22,6 +21,7 @@ from pdwire.discovery import (
     RankEntry,
     Rejected,
     Restarted,
+    encode_entry,
 )
 from pdwire.discovery.membership import RegistryBack, RegistryLost
 from tests.support.etcd_server import EtcdServer
@@ -32,7 +32,7 @@ FAST = {"request_timeout_s": 0.5, "watch_idle_s": 1.0}
 
 def entry(engine: str = "p", tp_rank: int = 0, inc: str = "i1") -> RankEntry:
     return RankEntry(
-        role="prefill",
+        role=wire.Role.PREFILL,
         engine_id=engine,
         geometry=Geometry(2, tp_rank),
         control=f"tcp://127.0.0.1:{17000 + tp_rank}",
@@ -78,7 +78,7 @@ def registrant(spec: str, engine: str, tp_rank: int) -> Iterator[tuple[subproces
 
 
 def test_register_watch_and_a_clean_withdraw(etcd: EtcdServer, prefix: str) -> None:
-    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=("prefill",), **FAST)
+    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(wire.Role.PREFILL,), **FAST)
     rank = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(), ttl_s=30, **FAST)
     try:
         rank.register(entry())
@@ -89,7 +89,7 @@ def test_register_watch_and_a_clean_withdraw(etcd: EtcdServer, prefix: str) -> N
         # a second rank of the same process shares the lease
         rank.register(entry(tp_rank=1))
         wait_for(watcher, lambda c: isinstance(c, Joined) and c.entry.geometry.tp_rank == 1, 10)
-        assert watcher.membership.complete_groups("prefill")["p"].control_endpoints() == [
+        assert watcher.membership.complete_groups(wire.Role.PREFILL)["p"].control_endpoints() == [
             "tcp://127.0.0.1:17000",
             "tcp://127.0.0.1:17001",
         ]
@@ -113,7 +113,7 @@ def test_a_killed_rank_disappears_within_its_ttl_and_a_restarted_one_is_picked_u
     etcd: EtcdServer, prefix: str
 ) -> None:
     spec = etcd.spec(prefix, ttl_s=2)
-    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=("prefill",), **FAST)
+    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(wire.Role.PREFILL,), **FAST)
     try:
         with registrant(spec, "p", 1) as (proc, inc1):
             wait_for(watcher, lambda c: isinstance(c, Joined) and c.entry.incarnation == inc1, 10)
@@ -144,21 +144,21 @@ def test_a_killed_rank_disappears_within_its_ttl_and_a_restarted_one_is_picked_u
 
 
 def test_malformed_entries_are_refused_by_name_and_hurt_no_one_else(etcd: EtcdServer, prefix: str) -> None:
-    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=("prefill",), **FAST)
+    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(wire.Role.PREFILL,), **FAST)
     rank = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(), **FAST)
     try:
         rank.register(entry())
         wait_for(watcher, lambda c: isinstance(c, Joined), 10)
-        bad = msgspec.json.encode(entry(tp_rank=1)).replace(b'"tp_size":2', b'"tp_size":"2"')
+        bad = encode_entry(entry(tp_rank=1))[1].replace(b'"tp_size":2', b'"tp_size":"2"')
         etcd.etcdctl("put", f"{prefix}/prefill/p/tp1.pp0", bad.decode())
         rejected = wait_for(watcher, lambda c: isinstance(c, Rejected), 10)
         assert isinstance(rejected, Rejected) and "$.geometry.tp_size" in str(rejected.error)
-        etcd.etcdctl("put", f"{prefix}/prefill/p/tp1.pp0", msgspec.json.encode(entry(tp_rank=0)).decode())
+        etcd.etcdctl("put", f"{prefix}/prefill/p/tp1.pp0", encode_entry(entry(tp_rank=0))[1].decode())
         rejected = wait_for(watcher, lambda c: isinstance(c, Rejected), 10)
         assert "key and entry disagree" in str(rejected.error)
-        etcd.etcdctl("put", f"{prefix}/prefill/p/tp1.pp0", msgspec.json.encode(entry(tp_rank=1)).decode())
+        etcd.etcdctl("put", f"{prefix}/prefill/p/tp1.pp0", encode_entry(entry(tp_rank=1))[1].decode())
         wait_for(watcher, lambda c: isinstance(c, Joined) and c.entry.geometry.tp_rank == 1, 10)
-        assert watcher.membership.complete_groups("prefill")["p"].control_endpoints() == [
+        assert watcher.membership.complete_groups(wire.Role.PREFILL)["p"].control_endpoints() == [
             "tcp://127.0.0.1:17000",
             "tcp://127.0.0.1:17001",
         ]
@@ -169,7 +169,7 @@ def test_malformed_entries_are_refused_by_name_and_hurt_no_one_else(etcd: EtcdSe
 
 def test_a_lost_registry_is_reported_retried_and_recovered(own_etcd: EtcdServer, prefix: str) -> None:
     etcd = own_etcd
-    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=("prefill",), **FAST)
+    watcher = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(wire.Role.PREFILL,), **FAST)
     rank = EtcdDiscovery([etcd.endpoint], prefix=prefix, roles=(), ttl_s=3, **FAST)
     try:
         rank.register(entry())
@@ -204,7 +204,7 @@ def test_a_lost_registry_is_reported_retried_and_recovered(own_etcd: EtcdServer,
 
 def test_an_unreachable_registry_at_start_is_retried_not_raised(tmp_path: Path, prefix: str) -> None:
     server = EtcdServer(tmp_path)  # ports chosen, not started yet
-    disc = EtcdDiscovery([server.endpoint], prefix=prefix, roles=("prefill",), **FAST)
+    disc = EtcdDiscovery([server.endpoint], prefix=prefix, roles=(wire.Role.PREFILL,), **FAST)
     try:
         disc.register(entry())
         wait_for(disc, lambda c: isinstance(c, RegistryLost), 10)

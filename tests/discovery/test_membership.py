@@ -8,6 +8,7 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdwire import wire
 from pdwire.discovery import Geometry, Joined, Left, Membership, RankEntry, decode_entry, encode_entry
 from pdwire.discovery.membership import (
     Change,
@@ -27,10 +28,10 @@ from pdwire.discovery.membership import (
 
 
 def entry(
-    role: str = "prefill", engine: str = "p", tp: tuple[int, int] = (2, 0), inc: str = "i1"
+    role: wire.Role = wire.Role.PREFILL, engine: str = "p", tp: tuple[int, int] = (2, 0), inc: str = "i1"
 ) -> RankEntry:
     return RankEntry(
-        role=role,  # type: ignore[arg-type]
+        role=role,
         engine_id=engine,
         geometry=Geometry(tp[0], tp[1]),
         control=f"tcp://10.0.0.1:{17000 + tp[1]}",
@@ -93,8 +94,8 @@ def test_a_refused_value_is_reported_once_and_removes_what_it_overwrote() -> Non
 
 
 def test_keys_outside_the_watched_roles_are_not_members() -> None:
-    m = Membership(roles=("prefill",))
-    d = entry(role="decode", engine="d")
+    m = Membership(roles=(wire.Role.PREFILL,))
+    d = entry(role=wire.Role.DECODE, engine="d")
     assert m.apply(put(d, 1)) == []
     junk = Put("/pdwire/prefill/p/nonsense", b"{}", 2)
     [rejected] = m.apply(junk)
@@ -126,18 +127,18 @@ def test_registry_reachability_is_reported_per_transition_and_keeps_the_view() -
 def test_groups_complete_only_with_every_rank_and_no_disagreement() -> None:
     m = Membership()
     m.apply(put(entry(tp=(2, 0)), 1))
-    g = m.groups("prefill")["p"]
+    g = m.groups(wire.Role.PREFILL)["p"]
     assert not g.complete and g.missing == ("tp1.pp0",)
     m.apply(put(entry(tp=(2, 1)), 2))
-    g = m.complete_groups("prefill")["p"]
+    g = m.complete_groups(wire.Role.PREFILL)["p"]
     assert g.control_endpoints() == ["tcp://10.0.0.1:17000", "tcp://10.0.0.1:17001"]
     assert g.backend == "nixl"
     # a rank that says another TP size, or another backend: the group is not used
     m.apply(put(msgspec.structs.replace(entry(tp=(2, 1)), backend="mooncake"), 3))
-    assert m.complete_groups("prefill") == {}
-    assert "backend" in m.groups("prefill")["p"].problems[0]
+    assert m.complete_groups(wire.Role.PREFILL) == {}
+    assert "backend" in m.groups(wire.Role.PREFILL)["p"].problems[0]
     m.apply(put(entry(tp=(4, 1)), 4))
-    assert any("tp_size" in p for p in m.groups("prefill")["p"].problems)
+    assert any("tp_size" in p for p in m.groups(wire.Role.PREFILL)["p"].problems)
 
 
 def test_every_change_describes_itself() -> None:

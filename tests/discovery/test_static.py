@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pdwire import wire
 from pdwire.discovery import (
     DiscoveryError,
     EtcdDiscovery,
@@ -44,7 +45,7 @@ def test_file_forms(tmp_path: Path) -> None:
         "prefill prefill-a tp1.pp0",
         "prefill prefill-b tp0.pp0",
     ]
-    groups = disc.membership.complete_groups("prefill")
+    groups = disc.membership.complete_groups(wire.Role.PREFILL)
     assert groups["prefill-a"].control_endpoints() == ["tcp://10.0.0.1:17000", "tcp://10.0.0.1:17001"]
     assert groups["prefill-b"].backend == "mooncake"
     assert disc.poll() == []
@@ -63,15 +64,15 @@ def test_an_edited_file_is_a_new_snapshot_and_a_broken_one_keeps_the_view(tmp_pa
         ("Left", "/pdwire/prefill/prefill-b/tp0.pp0"),
         ("Updated", "/pdwire/prefill/prefill-a/tp0.pp0"),
     ]
-    assert list(disc.membership.complete_groups("prefill")) == ["prefill-a"]
+    assert list(disc.membership.complete_groups(wire.Role.PREFILL)) == ["prefill-a"]
     _touch_later(f, "engines: {prefill: {prefill-a: [tcp://0.0.0.0:17000]}}\n")
     [lost] = disc.poll()
     assert isinstance(lost, RegistryLost) and "wildcard" in lost.reason
-    assert list(disc.membership.complete_groups("prefill")) == ["prefill-a"]
+    assert list(disc.membership.complete_groups(wire.Role.PREFILL)) == ["prefill-a"]
     _touch_later(f, SHORT)
     changes = disc.poll()
     assert isinstance(changes[-1], RegistryBack)
-    assert sorted(disc.membership.complete_groups("prefill")) == ["prefill-a", "prefill-b"]
+    assert sorted(disc.membership.complete_groups(wire.Role.PREFILL)) == ["prefill-a", "prefill-b"]
 
 
 @pytest.mark.parametrize(
@@ -94,22 +95,22 @@ def test_a_bad_file_at_start_names_file_and_entry(tmp_path: Path, text: str, nam
 
 
 def test_a_rank_listed_twice_is_refused(tmp_path: Path) -> None:
-    entries = parse_engine_flag("prefill", "a=tcp://h:1")
+    entries = parse_engine_flag(wire.Role.PREFILL, "a=tcp://h:1")
     with pytest.raises(DiscoveryError, match="listed twice"):
         StaticDiscovery([*entries, *entries])
 
 
 def test_flags() -> None:
-    entries = parse_engine_flag("prefill", "prefill-a=tcp://10.0.0.1:1,tcp://10.0.0.1:2")
+    entries = parse_engine_flag(wire.Role.PREFILL, "prefill-a=tcp://10.0.0.1:1,tcp://10.0.0.1:2")
     assert [(e.geometry.tp_size, e.geometry.tp_rank, e.control) for e in entries] == [
         (2, 0, "tcp://10.0.0.1:1"),
         (2, 1, "tcp://10.0.0.1:2"),
     ]
     for bad in ["prefill-a", "prefill-a=", "prefill-a=tcp://*:1", "a/b=tcp://h:1"]:
         with pytest.raises(DiscoveryError):
-            parse_engine_flag("prefill", bad)
+            parse_engine_flag(wire.Role.PREFILL, bad)
     disc = open_discovery("", static=entries)
-    assert disc.poll() and disc.membership.complete_groups("prefill")["prefill-a"]
+    assert disc.poll() and disc.membership.complete_groups(wire.Role.PREFILL)["prefill-a"]
 
 
 def test_specs(monkeypatch: pytest.MonkeyPatch) -> None:
