@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Version = tuple[int, int]
+from pdwire.wirecore.types import Version as Version  # the one (major, minor) type, re-exported
 
 TypeKind = Literal["scalar", "str", "bytes", "blob", "array", "list", "optional", "enum", "message"]
 

@@ -5,7 +5,7 @@ control messages). :func:`check_positional` adds the layout's rules to the evolu
 checks; :func:`render_positional` builds typed view objects and renders the templates in
 ``templates/positional/``. As in :mod:`.render`, the views say what a frame is and the
 templates (``macros.j2``, one macro per direction, switching on the encoding) how it becomes
-code: which ``pdwire.wirecore.frame_encodings`` call reads or writes it, the inline common
+code: which ``pdwire.wirecore.positional.encodings`` call reads or writes it, the inline common
 case, what an absent frame decodes to.
 
 Per-field keys: ``frame`` (wire index, guard frames included), ``encoding`` (see
@@ -55,7 +55,7 @@ _ARRAY_DTYPE = {
     "le_u32_array": "LE_U32",
 }
 _LIST_DTYPE = {"i32": "LE_I32", "u32": "LE_U32", "u64": "LE_U64"}
-# frame_encodings.read_int* compare a decimal read from digits alone with the upper bound only
+# encodings.read_int* compare a decimal read from digits alone with the upper bound only
 assert all(lo <= 0 for lo, _ in INT_RANGES.values()), "an integer type with a positive lower bound"
 _DERIVED_RE = re.compile(r"^([a-z_][a-z0-9_]*)\s*->\s*(.+)$")
 
@@ -199,7 +199,7 @@ class FrameView:
 
     @property
     def dtype(self) -> str:
-        """The ``frame_encodings`` dtype of an array frame or of a list of arrays' items."""
+        """The ``encodings`` dtype of an array frame or of a list of arrays' items."""
         if self.encoding == "le_list_of_lists":
             assert self.type.elem is not None
             return _LIST_DTYPE[self.type.elem.name]
@@ -394,10 +394,10 @@ def _imports(rules: str | None, uses_rules: bool) -> list[ImportView]:
     (the rules module only where a message names a check or a derived property)."""
     out = [
         ImportView("pdwire", "wirecore", "_wc"),
-        ImportView("pdwire.wirecore", "frame_encodings", "_fe"),
-        ImportView("pdwire.wirecore", "positional_codec", "_pc"),
+        ImportView("pdwire.wirecore.positional", "encodings", "_fe"),
+        ImportView("pdwire.wirecore.positional", "codec", "_pc"),
         ImportView("pdwire.wirecore.arrays", "values_equal", "_eq"),
-        ImportView("pdwire.wirecore.profile_errors", "Where", "_Where"),
+        ImportView("pdwire.wirecore.positional.errors", "Where", "_Where"),
     ]
     if uses_rules and rules:
         pkg, _, mod = rules.rpartition(".")

@@ -25,6 +25,7 @@ Packed arrays decode to read-only numpy views of the received frames. Models per
 ``pdwire.wire.v1``.
 """
 
+from pdwire.wirecore.envelope.negotiate import negotiate
 from pdwire.wirecore.errors import (
     ArrayError,
     BadEnumValue,
@@ -44,7 +45,6 @@ from pdwire.wirecore.errors import (
     WireError,
     WrongProtocol,
 )
-from pdwire.wirecore.negotiate import negotiate
 
 from . import v1
 from .codec import (

@@ -6,7 +6,7 @@ One model per major: the structs below are minor 1.4's, and every minor of
 the major reads and writes through them. An older minor's body is a prefix of the newest
 (msgspec fills the positions it lacks with their defaults; ``_LEN_<Message>`` is each minor's
 length); what an older minor cannot carry is decided by ``_at_<Message>``:
-the hooks of ``pdwire.protocols.pdwire.migrations``,
+the hooks of ``pdwire.wirehooks.migrations``,
 fields the schema drops for older peers, and a DowngradeError for any other value that would
 be lost. A minor whose body still holds fields a hook converts has a legacy layout of its own
 (``_W_<Message>_<M>_<m>``).
@@ -87,14 +87,14 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-import pdwire.protocols.pdwire.migrations as _mig
+import pdwire.wirehooks.migrations as _mig
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
-from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
+from pdwire.wirecore.envelope import codec as _env
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2, 3, 4)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-Version = tuple[int, int]
+from pdwire.wirecore.types import Version
 
 VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1))
 

@@ -20,7 +20,7 @@ a ``WireError`` naming the profile, backend, message, field and frame. Per-versi
 ``pdwire.wire.sglang.v1_0``, ``pdwire.wire.sglang.v2_0``.
 """
 
-from pdwire.wirecore.profile_errors import (
+from pdwire.wirecore.positional.errors import (
     ConversionError,
     ProfileDecodeError,
     ProfileEncodeError,

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdwire import wirecore as _wc
-from pdwire.wirecore import positional_codec as _pc
+from pdwire.wirecore.positional import codec as _pc
 
 from . import v1_0, v2_0
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 PROFILE = "sglang"
 NEWEST = (2, 0)

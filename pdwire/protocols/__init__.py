@@ -1,10 +1,8 @@
-"""Hand-written code that belongs to one protocol, next to it: ``pdwire.protocols.<protocol>``.
-
-* :mod:`pdwire.protocols.pdwire`: the migrations between versions of pdwire's own protocol;
-* :mod:`pdwire.protocols.sglang`: SGLang's cross-frame rules, the conversions between SGLang's
-  messages and pdwire's, and ``pdwire inspect``.
+"""Hand-written tools built on the generated wire: :mod:`pdwire.protocols.sglang` (conversions
+between SGLang's messages and pdwire's newest model) and :mod:`.inspect` (``pdwire inspect``).
 
 Each is written against the newest model (``pdwire.wire`` and ``pdwire.wire.sglang``), so a
 schema bump that renames or retypes something it uses fails its type check and tests here,
-instead of leaving it on an old version.
+instead of leaving it on an old version. The functions the generated code itself calls
+(migrations, SGLang's rules) live below the wire, in :mod:`pdwire.wirehooks`.
 """

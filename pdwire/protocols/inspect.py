@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdwire.wirecore.envelope.header import HEADER_SIZE, MAGIC, parse_header
 from pdwire.wirecore.errors import WireError
-from pdwire.wirecore.header import HEADER_SIZE, MAGIC, parse_header
 
 _HEX_LINE = re.compile(r"^[0-9a-fA-F\s]+$")
 _POINTER = re.compile(r"(addrs?|ptrs?)$")

@@ -1,4 +1,5 @@
-"""Constrained msgspec types used by generated wire structs (decode-side validation)."""
+"""The wire side's types: a protocol ``Version`` and the constrained msgspec types generated
+wire structs validate with on decode."""
 
 from __future__ import annotations
 
@@ -15,3 +16,8 @@ I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # a packed array: inline bytes, or the index of the side frame carrying it (frames 0/1 are header/body)
 ArrayRef = bytes | Annotated[int, msgspec.Meta(ge=2, le=2**16 + 1)]
+
+Version = tuple[int, int]
+"""A protocol version, ``(major, minor)``: what negotiation agrees on, what a header carries,
+what the codegen model and the generated feature tables speak (the wire's ``Version`` struct is
+how a Hello lists them)."""

@@ -32,7 +32,7 @@ from pdwire.runtime.planner import Indexing, RankMemory
 from pdwire.runtime.session.hello import LAYOUTS_SINCE
 
 from pdwire import wire
-from pdwire.wirecore.header import parse_header
+from pdwire.wirecore.envelope.header import parse_header
 
 PROBE_ITEMS = 1024  # past the 1 KiB side-frame threshold: each longer list is a side frame of 4 bytes an item
 HEADER_SLACK = 8  # msgpack: a header is 1 byte at its narrowest, 9 (a u64) at its widest

@@ -25,7 +25,7 @@ from pdwire.runtime.session.message_bounds import (
 )
 
 from pdwire import wire
-from pdwire.wirecore.header import parse_header
+from pdwire.wirecore.envelope.header import parse_header
 from tests.session.test_connections import VERSIONS, decode_local, handshake, prefill_local, registered
 
 REQUEST_TYPE = parse_header(

@@ -14,7 +14,7 @@ from pdwire.wire import sglang
 
 from pdwire.cli import main
 from pdwire.protocols.sglang import convert as cv
-from pdwire.wirecore.profile_errors import ConversionError
+from pdwire.wirecore.positional.errors import ConversionError
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "golden" / "sglang" / "frames.json").read_text("utf-8"))
 

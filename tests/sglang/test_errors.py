@@ -8,7 +8,7 @@ import pytest
 from pdwire.wire import sglang
 
 from pdwire.wirecore.errors import DecodeError, EncodeError
-from pdwire.wirecore.profile_errors import UnrecognisedMessage
+from pdwire.wirecore.positional.errors import UnrecognisedMessage
 
 IP = b"10.0.0.1"
 MOONCAKE_TI = [b"7", IP, b"1", b"s", np.int32([1, 2]).tobytes(), b"3", b"", b"1", b"0", b""]

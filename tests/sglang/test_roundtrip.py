@@ -13,7 +13,7 @@ from pdwire.wire import sglang
 from pdwire.wire.sglang.strategies import STRATEGIES
 
 from pdwire.wirecore.errors import WireError
-from pdwire.wirecore.profile_errors import ProfileFrameCountError
+from pdwire.wirecore.positional.errors import ProfileFrameCountError
 
 CASES = [(v, name) for v, by_name in STRATEGIES.items() for name in by_name]
 # what a cross-frame problem's field becomes so that the message is sendable

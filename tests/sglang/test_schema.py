@@ -66,7 +66,7 @@ def test_wire_format_changes_are_breaking(old: str, new: str, what: str) -> None
             "does not carry u32",
         ),
         ("min_frames: 3\n", "min_frames: 2\n", "needs a default"),
-        ("rules: pdwire.protocols.sglang.rules\n", "", "names its `rules` module"),
+        ("rules: pdwire.wirehooks.sglang_rules\n", "", "names its `rules` module"),
         ("backend: mori\n    min_frames: 5", "min_frames: 5", "name their backend"),
     ],
 )

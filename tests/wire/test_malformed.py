@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pdwire.wire import strategies as S
 
-from pdwire.wirecore.header import MAGIC, pack_header
+from pdwire.wirecore.envelope.header import MAGIC, pack_header
 
 
 def _req(n: int = 300) -> list[bytes]:

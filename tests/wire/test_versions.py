@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pdwire.codegen.loader import load_file
 from pdwire.wire import strategies as S
 
-from pdwire.wirecore.header import MAGIC, pack_header
+from pdwire.wirecore.envelope.header import MAGIC, pack_header
 
 SCHEMA = load_file(Path(__file__).resolve().parents[2] / "schema" / "pdwire.yaml")
 OLD, NEW = (1, 0), (1, 1)  # the flat-state step

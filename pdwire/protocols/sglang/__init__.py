@@ -1,6 +1,3 @@
-"""SGLang's PD control frames: the hand-written parts next to the generated ``pdwire.wire.sglang``.
-
-* :mod:`.rules`: cross-frame checks and derived properties ``schema/sglang.yaml`` names;
-* :mod:`.convert`: conversions between SGLang's messages and pdwire's newest model;
-* :mod:`.inspect`: ``pdwire inspect``, decoding a captured message.
-"""
+"""SGLang's PD control frames, built on the generated ``pdwire.wire.sglang``: :mod:`.convert`,
+the conversions between SGLang's messages and pdwire's newest model (the profile's cross-frame
+rules are :mod:`pdwire.wirehooks.sglang_rules`; ``pdwire inspect`` is :mod:`pdwire.protocols.inspect`)."""

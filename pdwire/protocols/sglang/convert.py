@@ -32,7 +32,7 @@ import numpy as np
 
 from pdwire import wire as pw
 from pdwire.wire import sglang as sg
-from pdwire.wirecore.profile_errors import ConversionError
+from pdwire.wirecore.positional.errors import ConversionError
 
 PROFILE = "sglang"
 _I32 = (-(2**31), 2**31 - 1)

@@ -23,6 +23,7 @@ Packed arrays decode to read-only numpy views of the received frames. Models per
 ``pdwire.wire.arrays.v1``.
 """
 
+from pdwire.wirecore.envelope.negotiate import negotiate
 from pdwire.wirecore.errors import (
     ArrayError,
     BadEnumValue,
@@ -42,7 +43,6 @@ from pdwire.wirecore.errors import (
     WireError,
     WrongProtocol,
 )
-from pdwire.wirecore.negotiate import negotiate
 
 from . import v1
 from .codec import (

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
-from pdwire.wirecore import envelope as _env
+from pdwire.wirecore.envelope import codec as _env
 
 from . import v1 as _v1
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 PROTOCOL = "enums"
 PROTOCOL_ID = 103

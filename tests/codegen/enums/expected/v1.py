@@ -24,10 +24,10 @@ import numpy as np
 
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
-from pdwire.wirecore import envelope as _env
+from pdwire.wirecore.envelope import codec as _env
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 MAJOR = 1
 MINORS = (0, 1)

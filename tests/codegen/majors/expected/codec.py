@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
-from pdwire.wirecore import envelope as _env
+from pdwire.wirecore.envelope import codec as _env
+from pdwire.wirecore.envelope.negotiate import negotiate
 from pdwire.wirecore.errors import NegotiationError, ProtocolNameMismatch
-from pdwire.wirecore.negotiate import negotiate
 
 from . import v1 as _v1
 from . import v2 as _v2
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 PROTOCOL = "majors"
 PROTOCOL_ID = 106

@@ -24,11 +24,11 @@ import numpy.typing as npt
 
 from pdwire import wirecore as _wc
 from pdwire.wirecore import arrays as _a
-from pdwire.wirecore import envelope as _env
 from pdwire.wirecore import types as _t
+from pdwire.wirecore.envelope import codec as _env
 from pdwire.wirecore.model import Model as _Model
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 MAJOR = 1
 MINORS = (0, 1, 2)

@@ -18,7 +18,7 @@ a ``WireError`` naming the profile, backend, message, field and frame. Per-versi
 ``pdwire.wire.positional.v1_0``, ``pdwire.wire.positional.v2_0``.
 """
 
-from pdwire.wirecore.profile_errors import (
+from pdwire.wirecore.positional.errors import (
     ConversionError,
     ProfileDecodeError,
     ProfileEncodeError,

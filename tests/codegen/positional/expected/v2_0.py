@@ -17,14 +17,14 @@ import numpy as np
 import numpy.typing as npt
 
 from pdwire import wirecore as _wc
-from pdwire.wirecore import frame_encodings as _fe
-from pdwire.wirecore import positional_codec as _pc
 from pdwire.wirecore.arrays import values_equal as _eq
-from pdwire.wirecore.profile_errors import Where as _Where
+from pdwire.wirecore.positional import codec as _pc
+from pdwire.wirecore.positional import encodings as _fe
+from pdwire.wirecore.positional.errors import Where as _Where
 
 from . import v1_0 as _v1_0
 
-_wc.require(8, __name__)
+_wc.require(9, __name__)
 
 VERSION = (2, 0)
 PROFILE = "positional"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from .errors import BadEnumValue, BodyError
+from ..errors import BadEnumValue, BodyError
 
 _PATH = re.compile(r"at `\$((?:\[\d+\])*)")
 _INDEX = re.compile(r"\[(\d+)\]")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DecodeError, EncodeError, FrameCountError, WireError
+from ..errors import DecodeError, EncodeError, FrameCountError, WireError
 
 
 def _prefix(err: WireError, profile: str, backend: str | None) -> None:

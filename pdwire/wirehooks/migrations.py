@@ -1,4 +1,5 @@
-"""Hand-written steps between minors of the pdwire protocol, called by the generated codec.
+"""Hand-written steps between minors of the pdwire protocol, called by the generated codec
+(``schema/pdwire.yaml`` names this module under ``migrations:``).
 
 One model per major (``pdwire.wire.v1``): a message of an older minor is the same struct
 with the fields that minor lacks at their defaults. For a version listing a message under

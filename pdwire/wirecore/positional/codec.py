@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .frame_encodings import Buf, as_buffers, frame_count
-from .profile_errors import ProfileEncodeError, ProfileFrameCountError, UnrecognisedMessage, Where
+from ..types import Version
+from .encodings import Buf, as_buffers, frame_count
+from .errors import ProfileEncodeError, ProfileFrameCountError, UnrecognisedMessage, Where
 
-Version = tuple[int, int]
 Problems = list[tuple[str, str]]  # (field, problem) pairs found by a profile's cross-frame checks
 
 

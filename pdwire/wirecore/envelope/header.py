@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 
-from .errors import BadMagic, HeaderError
+from ..errors import BadMagic, HeaderError
 
 MAGIC = b"PDWR"
 HEADER = struct.Struct("<4sHBBHH")

@@ -1,7 +1,7 @@
 """Per-frame encodings of positional (SGLang-style) layouts: one frame <-> one typed value.
 
 Generated positional codecs call one ``enc_*``/``dec_*`` pair per frame, passing a
-:class:`~.profile_errors.Where` that names the backend, message, field and frame; every
+:class:`~.errors.Where` that names the backend, message, field and frame; every
 failure is raised as that location's typed error. ASCII decimals are read with
 :func:`read_int` (and its ``_or``/``_blank`` forms), the common case of :func:`dec_int`. Each
 pair is a bijection between the typed values and the frames SGLang's builders produce, so
@@ -39,8 +39,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .arrays import integer_array
-from .profile_errors import ProfileDecodeError, Where
+from ..arrays import integer_array
+from .errors import ProfileDecodeError, Where
 
 Buf = bytes | bytearray | memoryview
 E = TypeVar("E", bound=IntEnum)

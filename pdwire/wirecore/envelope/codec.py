@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from .arrays import Buffer, Cursor, Frames, SideFrame, SideFrames
-from .errors import (
+from ..arrays import Buffer, Cursor, Frames, SideFrame, SideFrames
+from ..errors import (
     BodyError,
     DowngradeError,
     EncodeError,
@@ -39,9 +39,10 @@ from .errors import (
     WireError,
     WrongProtocol,
 )
+from ..types import Version
 from .header import HEADER_SIZE, MAGIC, MAX_SIDE_FRAMES, pack_header, parse_header
 from .msgspec_errors import body_error
-from .negotiate import Version, describe
+from .negotiate import describe
 
 Step = Callable[[Any], Any]
 ToWire = Callable[[Any, SideFrames | None], list[Any]]

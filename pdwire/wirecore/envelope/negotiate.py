@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .errors import NegotiationError, VersionMismatch
-
-Version = tuple[int, int]
+from ..errors import NegotiationError, VersionMismatch
+from ..types import Version
 
 
 def _pairs(versions: object, side: str) -> list[Version]:

@@ -1,1 +1,0 @@
-"""pdwire's own protocol: the hand-written migration steps its generated codec calls."""
