@@ -76,7 +76,7 @@ class JobTransfers:
     """The poll/cancel/release hooks of a backend whose transfers run as :class:`Job` s.
 
     Mix in before :class:`~pdwire.runtime.backends.contract.Backend`; ``_post`` stores the job
-    :meth:`_submit` returned in ``handle.engine``. Cancelling only raises the job's flag: a
+    :meth:`_submit` returned in ``handle.private``. Cancelling only raises the job's flag: a
     queued job is skipped, a running one stops at its next check (a Mooncake chunk in flight
     runs to its end first), and the job reports final once the worker left it. A job's
     transfer timeout counts from when a thread took it up: time queued behind other jobs is
@@ -91,19 +91,19 @@ class JobTransfers:
         return self._worker.submit(run)
 
     def _deadline(self, handle: TransferHandle) -> float:
-        job: Job | None = handle.engine
+        job: Job | None = handle.private
         if job is None or job.started_at is None:
             return math.inf
         return job.started_at + self.transfer_timeout_s
 
     def _poll(self, handle: TransferHandle) -> PollResult:
-        job: Job = handle.engine
+        job: Job = handle.private
         return job.poll()
 
     def _cancel(self, handle: TransferHandle) -> None:
-        job: Job | None = handle.engine
+        job: Job | None = handle.private
         if job is not None:
             job.cancel = True
 
     def _release(self, handle: TransferHandle) -> None:
-        handle.engine = None
+        handle.private = None

@@ -45,6 +45,7 @@ import numpy.typing as npt
 from pdwire.runtime.backends import peer_memory, possession, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
 from pdwire.runtime.backends.values import (
     DONE,
@@ -57,7 +58,6 @@ from pdwire.runtime.backends.values import (
     failed,
 )
 from pdwire.runtime.backends.wakeup import WAKE_NAME, DatagramWaker, Waker, poke
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -195,7 +195,7 @@ class LocalBackend(JobTransfers, Backend):
         """Refuse a peer whose pid, inbox or destinations are not a local backend's own (see
         the module docstring): the handshake is where a hostile peer is stopped."""
         who = f"peer {peer.agent_name!r} (pid {peer.pid})"
-        inbox = peer.engine.inbox
+        inbox = peer.private.inbox
         if peer.pid == os.getpid():
             if inbox == self._inbox.path:
                 raise PeerError(f"{who} names this backend itself (its pid and its inbox): refused")
@@ -223,7 +223,7 @@ class LocalBackend(JobTransfers, Backend):
         """Refuse a peer whose metadata was not made by the backend owning the inbox it names
         (:mod:`.possession`): the /proc checks above prove that pid, inbox and memory are some
         live local backend's, this proves they are the sender's own."""
-        inbox = peer.engine.inbox
+        inbox = peer.private.inbox
         try:
             uid = os.stat(f"/proc/{peer.pid}").st_uid
         except OSError as exc:
@@ -247,13 +247,13 @@ class LocalBackend(JobTransfers, Backend):
         return sorted(spans)
 
     def _remove_peer(self, peer: Peer) -> None:
-        self._processes.discard(peer.engine)
-        peer.engine.close()  # none of its transfers can still run
+        self._processes.discard(peer.private)
+        peer.private.close()  # none of its transfers can still run
 
     # ---- transfers
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
         peer = handle.peer
-        target: _Process = peer.engine
+        target: _Process = peer.private
         inbox = target.inbox
         n = len(table)
         # iovec arrays (base, length) for both sides, built once; each call passes a slice
@@ -291,7 +291,7 @@ class LocalBackend(JobTransfers, Backend):
             poke(f"{inbox}/{WAKE_NAME}")
             return DONE
 
-        handle.engine = self._submit(handle, run)
+        handle.private = self._submit(handle, run)
 
     def _receive_notifications(self) -> list[EngineNotification]:
         return [EngineNotification(s, p) for s, p in self._inbox.receive()]

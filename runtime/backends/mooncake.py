@@ -61,6 +61,7 @@ from typing import Any, ClassVar
 
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import BackendUnavailable, PeerError, RegistrationError, TransferError
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
 from pdwire.runtime.backends.support import batches
 from pdwire.runtime.backends.values import (
@@ -74,7 +75,6 @@ from pdwire.runtime.backends.values import (
     failed,
 )
 from pdwire.runtime.backends.wakeup import Waker
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 
@@ -245,16 +245,16 @@ class MooncakeBackend(JobTransfers, Backend):
 
     def _remove_peer(self, peer: Peer) -> None:
         # None of its transfers can still run (the base class waits for that): the threads are idle.
-        remote: _Remote = peer.engine
+        remote: _Remote = peer.private
         remote.worker.stop()
         self._workers.remove(remote.worker)
 
     def _submit(self, handle: TransferHandle, run: Any) -> Job:
-        remote: _Remote = handle.peer.engine
+        remote: _Remote = handle.peer.private
         return remote.worker.submit(run)
 
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
-        session = handle.peer.engine.session
+        session = handle.peer.private.session
         dst_addr = handle.peer.engine_dst(table.dst_addr, table.dst_region)
         src, dst, length = table.src_addr.tolist(), dst_addr.tolist(), table.length.tolist()
         chunks = batches(len(src), self.max_batch)
@@ -273,7 +273,7 @@ class MooncakeBackend(JobTransfers, Backend):
                     return failed(f"Mooncake write of rows [{a}, {b}) to {session} returned {rc}")
             return DONE
 
-        handle.engine = self._submit(handle, run)
+        handle.private = self._submit(handle, run)
 
     def _receive_notifications(self) -> list[EngineNotification]:
         got: list[Any] = self._engine.get_notifies()

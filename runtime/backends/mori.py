@@ -151,11 +151,11 @@ class MoriBackend(Backend):
             # Replaced by a newer peer of the same name while its transfers were stopping:
             # MoRI keys remote engines by name, so the entry is the newer peer's now.
             return
-        rem: _Remote = peer.engine
+        rem: _Remote = peer.private
         self._engine.deregister_remote_engine(rem.engine_desc)
 
     def _post(self, handle: TransferHandle, table: DescriptorTable, notification: bytes) -> None:
-        rem: _Remote = handle.peer.engine
+        rem: _Remote = handle.peer.private
         if len(rem.mem_descs) < len(handle.peer.regions):
             raise PeerError(f"peer {handle.peer.agent_name!r} has no memory descriptor for some regions")
         # One batch_write entry per (src region, dst region) group and chunk; offsets are
@@ -182,10 +182,10 @@ class MoriBackend(Backend):
             statuses = self._engine.batch_write(lds, los, rds, ros, szs, uids)
         except Exception as exc:
             raise TransferError(f"MoRI batch_write to {handle.peer.agent_name!r} raised: {exc}") from None
-        handle.engine = _Xfer(list(statuses), notification)
+        handle.private = _Xfer(list(statuses), notification)
 
     def _poll(self, handle: TransferHandle) -> PollResult:
-        x: _Xfer = handle.engine
+        x: _Xfer = handle.private
         if x.status.finished:
             return x.status
         # Even after a failure, other writes of the transfer may still be landing: final only
@@ -200,7 +200,7 @@ class MoriBackend(Backend):
             x.status = failed("cancelled")  # every byte landed, but the peer is not told
             return x.status
         peer = handle.peer
-        rem: _Remote = peer.engine
+        rem: _Remote = peer.private
         if not pid_alive(peer.pid):
             x.status = failed(f"peer {peer.agent_name!r} (pid {peer.pid}) is gone")
             return x.status
@@ -213,11 +213,11 @@ class MoriBackend(Backend):
         return DONE
 
     def _cancel(self, handle: TransferHandle) -> None:
-        x: _Xfer = handle.engine
+        x: _Xfer = handle.private
         x.cancelled = True  # MoRI cannot stop a posted write: _poll waits until none is in progress
 
     def _release(self, handle: TransferHandle) -> None:
-        handle.engine = None
+        handle.private = None
 
     def _receive_notifications(self) -> list[EngineNotification]:
         return [EngineNotification(s, p) for s, p in self._inbox.receive()]

@@ -372,9 +372,9 @@ class NixlBackend(Backend):
 
     @staticmethod
     def _peer_info(peer: Peer) -> _RegionInfo:
-        info = peer.engine
+        info = peer.private
         if not isinstance(info, _RegionInfo) or info.regions is not peer.regions:
-            info = peer.engine = _RegionInfo.of(peer.regions)
+            info = peer.private = _RegionInfo.of(peer.regions)
         return info
 
     def _group_rows(
@@ -426,7 +426,7 @@ class NixlBackend(Backend):
             for req in reqs:  # none was started: nothing moved
                 self._safe_release(req)
             raise TransferError(f"NIXL could not create a WRITE to {peer.agent_name!r}: {exc}") from None
-        handle.engine = x = _Xfer(reqs, notification, notify_after=not single)
+        handle.private = x = _Xfer(reqs, notification, notify_after=not single)
         self._start(x, peer.agent_name)
 
     def _start(self, x: _Xfer, peer_name: str) -> None:
@@ -480,7 +480,7 @@ class NixlBackend(Backend):
             req = self._agent.make_prepped_xfer("WRITE", lh, s_idx, rh, d_idx, bytes(notification))
         except Exception as exc:
             raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
-        h.engine = x = _Xfer([req], notification, notify_after=False)
+        h.private = x = _Xfer([req], notification, notify_after=False)
         self._start(x, peer.agent_name)
         self._handles[h.id] = h
         self.prepped_posts += 1
@@ -546,7 +546,7 @@ class NixlBackend(Backend):
             )
         except Exception as exc:
             raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
-        handle.engine = x = _Xfer([req], notification, notify_after=False)
+        handle.private = x = _Xfer([req], notification, notify_after=False)
         self._start(x, peer.agent_name)
         self.prepped_posts += 1
         return True
@@ -594,7 +594,7 @@ class NixlBackend(Backend):
         return self._agent.prep_xfer_dlist(agent, rows, r.kind.value)
 
     def _poll(self, handle: TransferHandle) -> PollResult:
-        x: _Xfer = handle.engine
+        x: _Xfer = handle.private
         if x.status.finished:
             return x.status
         for i, req in enumerate(x.reqs):
@@ -630,15 +630,15 @@ class NixlBackend(Backend):
     def _cancel(self, handle: TransferHandle) -> None:
         # Nothing more is sent for this transfer; its active requests are waited out, not
         # released (see the module notes: a released active request keeps writing).
-        x: _Xfer = handle.engine
+        x: _Xfer = handle.private
         x.stopping = True
 
     def _release(self, handle: TransferHandle) -> None:
-        x: _Xfer = handle.engine
+        x: _Xfer = handle.private
         for req, state in zip(x.reqs, x.states, strict=True):
             if state != _GONE:
                 self._safe_release(req)
-        handle.engine = None
+        handle.private = None
 
     def _receive_notifications(self) -> list[EngineNotification]:
         got = self._agent.get_new_notifs()

@@ -24,11 +24,12 @@ _FACTORIES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-def register_backend(name: str, module: str, cls: str, engine: str | None = None) -> None:
-    """Make ``create_backend(name)`` build ``module.cls``; ``engine`` is a module that must import
-    for the backend to be available. Registering the same entry again is a no-op; another entry
-    under a taken name is refused (two backends answering to one name would be a silent swap)."""
-    entry = (module, cls, engine)
+def register_backend(name: str, module: str, cls: str, transfer_engine: str | None = None) -> None:
+    """Make ``create_backend(name)`` build ``module.cls``; ``transfer_engine`` is the module of the
+    transfer engine it drives, which must import for the backend to be available. Registering the
+    same entry again is a no-op; another entry under a taken name is refused (two backends
+    answering to one name would be a silent swap)."""
+    entry = (module, cls, transfer_engine)
     old = _FACTORIES.get(name)
     if old is not None and old != entry:
         raise BackendUnavailable(f"backend name {name!r} is taken by {old[0]}.{old[1]}")

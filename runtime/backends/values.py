@@ -89,7 +89,7 @@ class Peer:
     agent_name: str
     regions: tuple[Region, ...]
     pid: int
-    engine: Any = None  # backend-private state (mapped segments, engine names, ...)
+    private: Any = None  # the backend's own state for this peer (mapped segments, engine names, ...)
     removed: bool = False
     # per region: window address - published address (mod 2**64), when the peer gave us windows
     dst_delta: npt.NDArray[np.uint64] | None = None
@@ -113,14 +113,14 @@ class Peer:
 
 @dataclass(eq=False)
 class TransferHandle:
-    """One posted transfer. Opaque to callers; backends keep their state in ``engine``."""
+    """One posted transfer. Opaque to callers; backends keep their state in ``private``."""
 
     id: int
     peer: Peer
     nbytes: int
     ndescs: int
     deadline: float
-    engine: Any = None
+    private: Any = None
     status: PollResult = field(default=PENDING)
     released: bool = False
     cancel_reason: str | None = None  # set once a cancel was asked: the FAILED reason to report

@@ -21,7 +21,7 @@ WORKER_BACKENDS = ["local", "mooncake"]
 
 def hold_workers(name: str, a: Any, peer: Any, gate: threading.Event) -> None:
     """Occupy every worker thread that would run transfers to ``peer`` until ``gate`` opens."""
-    worker, threads = (a._worker, 1) if name == "local" else (peer.engine.worker, a.threads_per_peer)
+    worker, threads = (a._worker, 1) if name == "local" else (peer.private.worker, a.threads_per_peer)
     for _ in range(threads):
         worker.submit(lambda job: (gate.wait(30), DONE)[1])
 
@@ -68,7 +68,7 @@ def test_mooncake_runs_a_peers_transfers_side_by_side(backends: Any) -> None:
     size = MiB
     a, _b, src, dst, peer = pair("mooncake", backends, size)
     gate = threading.Event()
-    peer.engine.worker.submit(lambda job: (gate.wait(30), DONE)[1])
+    peer.private.worker.submit(lambda job: (gate.wait(30), DONE)[1])
     try:
         h = a.post(peer, mib_table(src.address, dst.address, size), b"beside")
         assert a.wait(h, timeout_s=30).state is TransferState.DONE

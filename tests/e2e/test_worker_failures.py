@@ -45,7 +45,7 @@ class FirstTransferFails(LocalBackend):
             return
         job = Job(lambda job: DONE, status=failed("injected engine failure"))
         job.finished.set()
-        handle.engine = job
+        handle.private = job
 
     def close(self) -> None:
         self.gate.set()  # the held job must end first, or close waits its full close_wait_s for it
