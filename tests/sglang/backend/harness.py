@@ -413,7 +413,7 @@ class PrefillProcess:
         with stderr_path.open("w") as errors:
             self.proc = subprocess.Popen(
                 args, stdout=subprocess.PIPE, stderr=errors, text=True, env=dict(os.environ),
-                cwd=Path(__file__).resolve().parents[2],
+                cwd=Path(__file__).resolve().parents[3],
             )  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name="prefill-process-stdout", daemon=True).start()
