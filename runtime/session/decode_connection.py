@@ -139,8 +139,8 @@ class DecodeConnection:
             return self._on_answer(msg)
         if self.state is DecodeConnState.REFUSED:
             return []
-        if self.state is DecodeConnState.REREGISTERING and self._is_answer(msg):
-            return self._on_reanswer(msg)
+        if self.state is DecodeConnState.REREGISTERING and (answer := self._answer(msg)) is not None:
+            return self._on_reanswer(*answer)
         return self._on_room_message(msg)
 
     def reregister(self, local: DecodeLocal) -> list[DecodeEvent]:
@@ -153,21 +153,22 @@ class DecodeConnection:
         self.state = DecodeConnState.REREGISTERING
         return [Send(info, self.version)]
 
-    def _is_answer(self, msg: wire.Message) -> bool:
+    def _answer(self, msg: wire.Message) -> tuple[wire.RegisterAck | wire.TransferStatus, bool] | None:
+        """``msg`` as the answer to a RegisterInfo, and whether it accepted it; None if it is
+        none: a ``RegisterAck`` from the version that introduced it, a ``TransferStatus`` for
+        the reserved room 0 before."""
         assert self.version is not None
         if self.version >= REGISTER_ACK_SINCE:
-            return isinstance(msg, wire.RegisterAck)
-        return isinstance(msg, wire.TransferStatus) and int(msg.room) == RESERVED_ROOM
+            return (msg, bool(msg.accepted)) if isinstance(msg, wire.RegisterAck) else None
+        if isinstance(msg, wire.TransferStatus) and int(msg.room) == RESERVED_ROOM:
+            return msg, msg.status == wire.Status.SUCCESS
+        return None
 
-    def _on_reanswer(self, msg: wire.Message) -> list[DecodeEvent]:
+    def _on_reanswer(self, msg: wire.RegisterAck | wire.TransferStatus, accepted: bool) -> list[DecodeEvent]:
         assert self.peer is not None and self.position is not None and self.version is not None
-        if isinstance(msg, wire.RegisterAck):
-            accepted = bool(msg.accepted)
-        else:
-            accepted = isinstance(msg, wire.TransferStatus) and msg.status == wire.Status.SUCCESS
         if not accepted:
             self.state = DecodeConnState.RETRY
-            why = failure_from_wire(msg.failure_kind, msg.reason)  # type: ignore[union-attr]
+            why = failure_from_wire(msg.failure_kind, msg.reason)
             text = f"prefill {self.peer} refused the registration again (retried later): {why.reason}"
             return [Problem(text)]
         self.state = DecodeConnState.READY
@@ -249,16 +250,12 @@ class DecodeConnection:
                 f"pp {e.pp_rank}/{e.pp_size}"
             )
 
-    def _on_answer(self, msg: wire.Message) -> list[DecodeEvent]:
+    def _on_answer(self, received: wire.Message) -> list[DecodeEvent]:
         assert self.version is not None and self.peer is not None and self.position is not None
-        if self.version >= REGISTER_ACK_SINCE:
-            if not isinstance(msg, wire.RegisterAck):
-                return self._refuse(f"{self.endpoint} answered RegisterInfo with {type(msg).__name__}")
-            accepted = bool(msg.accepted)
-        else:  # older peers answer with a TransferStatus for the reserved room 0
-            if not (isinstance(msg, wire.TransferStatus) and int(msg.room) == RESERVED_ROOM):
-                return self._refuse(f"{self.endpoint} answered RegisterInfo with {type(msg).__name__}")
-            accepted = msg.status == wire.Status.SUCCESS
+        answer = self._answer(received)
+        if answer is None:
+            return self._refuse(f"{self.endpoint} answered RegisterInfo with {type(received).__name__}")
+        msg, accepted = answer
         if not accepted:
             why = failure_from_wire(msg.failure_kind, msg.reason)
             return self._refuse(f"prefill {self.peer.engine_id!r} refused the registration: {why.reason}")
@@ -268,9 +265,8 @@ class DecodeConnection:
             state = tuple(tuple(ids.tolist()) for ids in msg.state_layers)
             layers = HeldLayers(tuple(msg.kv_layers.tolist()), state)
             self.prefill_kv_layers = layers.kv
-        if self.version >= LAYOUTS_SINCE and isinstance(msg, wire.RegisterAck) and msg.kv_heads is not None:
             try:
-                self.prefill_heads = heads_from_wire(msg.kv_heads)
+                self.prefill_heads = None if msg.kv_heads is None else heads_from_wire(msg.kv_heads)
             except ValueError:  # a value outside the enum: no scatter from this rank
                 self.prefill_heads = None
         return [Ready(self.peer, self.position, self.version, layers)]

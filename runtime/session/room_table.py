@@ -60,6 +60,3 @@ class RoomTable(Generic[R, T]):
             if now >= r.deadline and not r.finished:
                 actions += self._settle(r.on_tick(now))
         return actions
-
-    def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self.rooms.values() if not r.finished), default=None)

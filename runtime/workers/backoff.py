@@ -54,3 +54,11 @@ class PollBackoff:
             return events
         time.sleep(wait_s)
         return dict(poller.poll(0))
+
+    def wait(self, poller: zmq.Poller, timeout_ms: int, busy: bool, wakes: bool) -> dict[Any, int]:
+        """One poll of a worker's loop, ``timeout_ms`` at most: while ``busy`` (work in flight the
+        engine reports on) after the current wait, or, on an engine that ``wakes`` the poller,
+        at most :data:`WAKEUP_FALLBACK_MS` (a lost wake-up costs that); idle, until a message."""
+        if busy and not wakes:
+            return self.poll(poller, timeout_ms / 1000)
+        return dict(poller.poll(min(timeout_ms, WAKEUP_FALLBACK_MS) if busy else timeout_ms))

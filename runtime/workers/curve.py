@@ -10,7 +10,8 @@ libzmq during the ZMTP handshake, before a single frame of it reaches a worker.
 * :class:`ZapHandler` is one ZAP authenticator thread per ZMQ context (ZAP is per context),
   shared by every worker socket of it: each server socket has its own ZAP domain and key set.
 * :func:`serve_curve` / :func:`connect_curve` set the socket options.
-* :func:`refusal_text` names a ``HANDSHAKE_FAILED_*`` monitor event.
+* :func:`refusal_text` names a ``HANDSHAKE_FAILED_*`` monitor event, :func:`report_refusal`
+  records and logs it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from itertools import count
 from typing import Any, ClassVar
 
 import zmq
 from pdwire.runtime.config import ConfigError, WorkerConfig
 from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, ControlAuth
+from pdwire.runtime.workers.failure_log import log as failure_log
 from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("pdwire.auth")
@@ -143,6 +146,18 @@ def refusal_text(event: int, value: int, endpoint: str, secure: bool) -> str:
     else:
         why = f"no detail (errno {value})"
     return f"control handshake on {endpoint} refused: {why}"
+
+
+def report_refusal(event: Mapping[str, Any], endpoint: str, secure: bool, failures: list[str]) -> str | None:
+    """Record and log the refusal a monitor ``event`` reports; None for a peer that hung up
+    mid-handshake (a reset, a restart: logged at debug level only, it retries)."""
+    text = refusal_text(event["event"], event["value"], endpoint, secure)
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        failure_log.debug("%s", text)
+        return None
+    failures.append(text)
+    log_refusal(text)
+    return text
 
 
 LOG_BURST = 20  # refusals logged at once; past that, one line a second naming how many were not

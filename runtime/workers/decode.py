@@ -56,7 +56,7 @@ from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import Copier
-from pdwire.runtime.workers.backoff import WAKEUP_FALLBACK_MS, PollBackoff
+from pdwire.runtime.workers.backoff import PollBackoff
 from pdwire.runtime.workers.curve import resolve
 from pdwire.runtime.workers.decode_links import PREFILL_MAX_MESSAGE, DecodeLinks, DecodeStats, PrefillGroup
 from pdwire.runtime.workers.decode_rooms import DecodeRooms, OnFinished, OnSlotsReleased
@@ -287,13 +287,8 @@ class DecodeWorker:
         if self.rooms.has_refused:
             self.rooms.report_refused()
             timeout_ms = 0
-        # with rooms live, engine notifications have nothing to wait on: look again soon
-        if self.session.rooms and not self._wake_fds:
-            events = self._backoff.poll(self.poller, timeout_ms / 1000)
-        else:  # an engine with wake-ups is waited on (bounded: a lost wake-up costs that)
-            events = dict(
-                self.poller.poll(min(timeout_ms, WAKEUP_FALLBACK_MS) if self.session.rooms else timeout_ms)
-            )
+        # with rooms live, engine notifications may come at any time
+        events = self._backoff.wait(self.poller, timeout_ms, bool(self.session.rooms), bool(self._wake_fds))
         if self._wake_fds and any(events.get(fd) for fd in self._wake_fds):
             self.backend.clear_wakeups()  # before receiving: a later notification wakes again
         self.links.on_poll(events)

@@ -41,7 +41,7 @@ from pdwire.runtime.session.group_route import GroupRoute
 from pdwire.runtime.session.hello import FENCE_SINCE
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.states import DecodeConnState, GroupState
-from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, log_refusal, refusal_text
+from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, report_refusal
 from pdwire.runtime.workers.failure_log import FailureLog, log
 from pdwire.runtime.workers.scatter import ScatterReceiver
 from zmq.utils.monitor import recv_monitor_message
@@ -577,13 +577,9 @@ class DecodeLinks:
     def _handshake_refused(self, link: Link, event: Mapping[str, Any]) -> None:
         """The socket refused the ZMTP handshake with a prefill rank (keys, one side without
         CURVE): logged; a registration handshake in progress is refused with it at once."""
-        text = refusal_text(event["event"], event["value"], link.conn.endpoint, self.auth is not None)
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            log.debug("%s", text)  # the peer hung up mid-handshake (a reset, a restart): it retries
-            return
-        self.stats.failures.append(text)
-        log_refusal(text)
-        self._handle(link, link.conn.transport_refused(text))
+        text = report_refusal(event, link.conn.endpoint, self.auth is not None, self.stats.failures)
+        if text is not None:
+            self._handle(link, link.conn.transport_refused(text))
 
     def lose(self, link: Link, reason: str, reconnect: bool = True) -> None:
         """A registered prefill rank is gone: its rooms fail now and it is revoked (a process that

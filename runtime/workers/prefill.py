@@ -73,12 +73,12 @@ from pdwire.runtime.session.prefill_connection import PrefillConnection, Prefill
 from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import Copier, CopyError, CostModel, Mode
-from pdwire.runtime.workers.backoff import WAKEUP_FALLBACK_MS, PollBackoff
+from pdwire.runtime.workers.backoff import PollBackoff
 from pdwire.runtime.workers.curve import (
     HANDSHAKE_EVENTS,
     ZapHandler,
     log_refusal,
-    refusal_text,
+    report_refusal,
     resolve,
     serve_curve,
 )
@@ -336,12 +336,8 @@ class PrefillWorker:
             self._run(self.session.on_tick(time.monotonic()))
         if self._done_now:
             events = dict(self.poller.poll(0))
-        elif self._handles and not self._wake_fds:  # completions have nothing to wait on: look again soon
-            events = self._backoff.poll(self.poller, timeout_ms / 1000)
-        else:  # with wake-ups, also while transfers are in flight (bounded: a lost one costs that)
-            events = dict(
-                self.poller.poll(min(timeout_ms, WAKEUP_FALLBACK_MS) if self._handles else timeout_ms)
-            )
+        else:  # with transfers in flight, completions may come at any time
+            events = self._backoff.wait(self.poller, timeout_ms, bool(self._handles), bool(self._wake_fds))
         if self._wake_fds and any(events.get(fd) for fd in self._wake_fds):
             self.backend.clear_wakeups()  # before looking at the engine: later news wakes again
         if events.get(self.sock):
@@ -358,14 +354,9 @@ class PrefillWorker:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.stats.handshakes_refused += 1
+            self.stats.handshakes_refused += 1  # a peer that hung up mid-handshake too
             endpoint = event["endpoint"].decode("utf-8", "replace")
-            text = refusal_text(event["event"], event["value"], endpoint, self.auth is not None)
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                log.debug("%s", text)  # a peer that hung up mid-handshake: counted, not a failure
-                continue
-            self.stats.failures.append(text)
-            log_refusal(text)
+            report_refusal(event, endpoint, self.auth is not None, self.stats.failures)
 
     def _drain(self) -> None:
         while True:
