@@ -66,9 +66,6 @@ class TypeRef:
             out.extend(self.elem.walk())
         return out
 
-    def contains_array(self) -> bool:
-        return any(t.kind == "array" for t in self.walk())
-
 
 class _Unset:
     def __repr__(self) -> str:

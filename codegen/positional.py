@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from .errors import SchemaError, where
 from .model import INT_RANGES, Field, Message, Protocol, TypeRef, Version, format_version
-from .render import TypeView, mod_name, type_view
-from .templating import banner, environment, render_formatted
+from .render import TypeView, literal, mod_name, type_view
+from .templating import banners, environment, render_formatted, render_package
 
 # encoding -> type spellings it accepts ("int" = any integer scalar, "enum" = any enum)
 ENCODINGS: dict[str, frozenset[str]] = {
@@ -299,21 +299,6 @@ class VersionView:
         return [e.name for e in self.enums] + [m.name for m in self.messages]
 
 
-def _literal(f: Field) -> str | None:
-    """The default as a Python literal of the model (arrays: ``[]``, the templates print the
-    module's shared read-only empty array); None when the field is required."""
-    t, d = f.type, f.default
-    if f.required:
-        return None
-    if t.kind in ("array", "list"):
-        return "[]"
-    if t.kind == "enum":
-        return f"{t.name}.{str(d).upper()}"
-    if t.kind in ("bytes", "blob"):
-        return 'b""'
-    return repr(d)
-
-
 def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
     low = min_frames_at(m, v)
     assert low is not None and m.backend is not None
@@ -327,7 +312,7 @@ def _message_view(p: Protocol, m: Message, v: Version) -> MessageView:
                 encoding=f.encoding or "",
                 type=type_view(f.type),
                 const=str(f.default) if f.encoding == "const" else None,
-                default=_literal(f),
+                default=literal(f),
                 fallback=f.fallback,
                 absent=f.frame >= low,
                 doc=f.doc,
@@ -411,19 +396,15 @@ def render_positional(p: Protocol, source: str) -> dict[str, str]:
     versions = version_views(p)
     ctx = {
         "p": p,
-        "banner": banner(source),
-        "md_banner": banner(source, "<!--").replace("\n", " -->\n") + " -->",
+        **banners(source),
         "versions": versions,
         "newest": versions[-1],
         "backends": sorted({m.backend for v in versions for m in v.messages}),
         "imports": _imports(p.rules, any(m.checks or m.derived for m in p.messages.values())),
     }
-    files: dict[str, str] = {}
+    files = render_package(env, "positional", ctx, ("codec.py", "strategies.py", "__init__.py"))
     for vv in versions:
-        name = f"{vv.module}.py"
-        files[name] = render_formatted(env, "positional/version.py.j2", name, ctx, v=vv)
-    for name in ("codec.py", "strategies.py", "__init__.py"):
-        files[name] = render_formatted(env, f"positional/{name}.j2", name, ctx)
-    files["REFERENCE.md"] = env.get_template("positional/reference.md.j2").render(ctx)
-    files["py.typed"] = ""
+        files[f"{vv.module}.py"] = render_formatted(
+            env, "positional/version.py.j2", f"{vv.module}.py", ctx, v=vv
+        )
     return files

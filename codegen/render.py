@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from .model import INT_RANGES, Enum, Field, Message, Protocol, TypeRef, Version, format_version
-from .templating import banner, environment, render_formatted
+from .templating import banners, environment, render_formatted, render_package
 
 _DTYPE = {"i32": "I32", "u32": "U32", "u64": "U64"}
 _ITEMSIZE = {"i32": 4, "u32": 4, "u64": 8}
@@ -136,7 +136,6 @@ class StepView:
 
     minor: int
     hook: str | None  # migrations function called below this minor
-    legacy_hook: bool  # the hook also supplies removed fields' values (a legacy layout below)
     refused: list[FieldView]  # fields added at this minor: a non-default value is refused
     reset: list[FieldView]  # fields added at this minor that are dropped (by the hook or `drop`)
     enum_fields: list[tuple[FieldView, str]]  # (field, enum) whose enum gained values at this minor
@@ -265,10 +264,12 @@ class MajorView:
         )
 
 
-def _literal(p: Protocol, f: Field) -> str:
+def literal(f: Field) -> str | None:
+    """The default as a Python literal of the model (arrays: ``[]``, the templates print the
+    module's shared read-only empty array); None when the field is required."""
     t, d = f.type, f.default
     if f.required:
-        return "None"
+        return None
     if t.kind in ("array", "list"):
         return "[]"
     if t.kind == "enum":
@@ -302,7 +303,7 @@ def _field_view(p: Protocol, f: Field, major: int) -> FieldView:
         name=f.name,
         type=type_view(f.type),
         required=f.required,
-        default=_literal(p, f),
+        default=literal(f) or "None",
         wire_value=_wire_value(p, f),
         doc=f.doc,
         since=_minor_in(f.since, major),
@@ -369,13 +370,11 @@ class _Builder:
         by_name = {f.name: f for f in fields}
         lengths = [len(m.slots_at(v)) if m.since <= v else 0 for v in self.versions]
         steps = []
-        legacy_minors = {v[1] for v in self.versions if self._legacy_fields(m, v)}
         for v in self.versions[1:]:
             minor = v[1]
             hook = None
             if m.name in self.migrate.get(v, set()):
                 hook = f"downgrade_{m.name}_{major}_{minor - 1}"
-            legacy_hook = (minor - 1) in legacy_minors and hook is not None
             added = [f for f in fields if f.since == minor and m.since < v]
             reset = [f for f in added if hook is not None or f.downgrade == "drop"]
             refused = [f for f in added if f not in reset]
@@ -386,7 +385,7 @@ class _Builder:
                 if f.since < minor and _enum_gains(p.enums[e], major, minor)
             ]
             if hook or refused or reset or enums:
-                steps.append(StepView(minor, hook, legacy_hook, refused, reset, enums))
+                steps.append(StepView(minor, hook, refused, reset, enums))
         nested_at = []
         nested_trim = []
         for s in _slots(p, m, newest, major):
@@ -507,8 +506,7 @@ def render_protocol(p: Protocol, source: str) -> dict[str, str]:
     ctx: dict[str, Any] = {
         "p": p,
         "package": package_of(p),
-        "banner": banner(source),
-        "md_banner": banner(source, "<!--").replace("\n", " -->\n") + " -->",
+        **banners(source),
         "majors": majors,
         "newest": newest,
         "newest_names": sorted(_names(newest.enums) + _names(newest.messages)),
@@ -519,12 +517,7 @@ def render_protocol(p: Protocol, source: str) -> dict[str, str]:
         "show_default": show_default,
         "versions": p.version_list,
     }
-    files: dict[str, str] = {}
+    files = render_package(env, "envelope", ctx, ("codec.py", "strategies.py", "__init__.py", "features.py"))
     for mv in majors:
         files[f"{mv.module}.py"] = render_formatted(env, "envelope/major.py.j2", f"{mv.module}.py", ctx, m=mv)
-    for name in ("codec.py", "strategies.py", "__init__.py"):
-        files[name] = render_formatted(env, f"envelope/{name}.j2", name, ctx)
-    files["features.py"] = render_formatted(env, "envelope/features.py.j2", "features.py", ctx)
-    files["REFERENCE.md"] = env.get_template("envelope/reference.md.j2").render(ctx)
-    files["py.typed"] = ""
     return files
