@@ -83,7 +83,7 @@ class MessageSpec(NamedTuple):
 
 
 class MessageCodec(NamedTuple):
-    """Everything to encode and decode one message type at one version (built by :func:`codec`)."""
+    """Everything to encode and decode one message type at one version (built by :func:`major_codecs`)."""
 
     name: str
     type_id: int
@@ -100,55 +100,10 @@ class MessageCodec(NamedTuple):
     lone_cursor: Cursor  # shared by messages without side frames (never mutated: any reference fails)
     scalars: Sequence[Scalar] = ()  # what names a field whose int msgpack refused
 
-    @property
-    def header(self) -> bytes:
-        """The header frame with zero side frames."""
-        return self.headers[0]
-
 
 # Header frames are precomputed for this many side-frame counts (0 .. HEADERS_CACHED - 1) per
 # message codec: encoding indexes a tuple and decoding dispatches on the header bytes.
 HEADERS_CACHED = 16
-
-
-def make_header(protocol_id: int, version: Version, type_id: int, side: int = 0) -> bytes:
-    return pack_header(MAGIC, protocol_id, version[0], version[1], type_id, side)
-
-
-def codec(
-    *,
-    name: str,
-    type_id: int,
-    protocol_id: int,
-    version: Version,
-    cls: type,
-    to_wire: ToWire,
-    decoder: msgspec.msgpack.Decoder[Any],
-    from_wire: FromWire,
-    fast_from_wire: FastFromWire | None,
-    slots: tuple[str, ...],
-    after: Step | None = None,
-    scalars: Sequence[Scalar] = (),
-) -> MessageCodec:
-    """A :class:`MessageCodec` with its precomputed header frames."""
-    headers = tuple(make_header(protocol_id, version, type_id, k) for k in range(HEADERS_CACHED))
-    lone = Cursor((b"", b""), name)
-    return MessageCodec(
-        name,
-        type_id,
-        protocol_id,
-        version,
-        cls,
-        to_wire,
-        decoder,
-        from_wire,
-        fast_from_wire,
-        after,
-        slots,
-        headers,
-        lone,
-        scalars,
-    )
 
 
 def _older_to_wire(spec: MessageSpec, v: int) -> ToWire:
@@ -197,23 +152,7 @@ def major_codecs(
         for s in specs:
             if s.since > v:
                 continue
-            legacy = s.legacy.get(v)
-            if legacy is not None:
-                table[s.type_id] = codec(
-                    name=s.name,
-                    type_id=s.type_id,
-                    protocol_id=protocol_id,
-                    version=version,
-                    cls=s.cls,
-                    to_wire=legacy.to_wire,
-                    decoder=msgspec.msgpack.Decoder(legacy.wire),
-                    from_wire=legacy.from_wire,
-                    fast_from_wire=None,
-                    slots=legacy.slots,
-                    scalars=s.scalars,
-                )
-                continue
-            table[s.type_id] = codec(
+            mc = MessageCodec(
                 name=s.name,
                 type_id=s.type_id,
                 protocol_id=protocol_id,
@@ -225,8 +164,23 @@ def major_codecs(
                 fast_from_wire=s.fast_from_wire,
                 after=None if v == newest else _older_check(s, v, version),
                 slots=s.slots,
+                headers=tuple(
+                    pack_header(MAGIC, protocol_id, major, v, s.type_id, k) for k in range(HEADERS_CACHED)
+                ),
+                lone_cursor=Cursor((b"", b""), s.name),
                 scalars=s.scalars,
             )
+            legacy = s.legacy.get(v)
+            if legacy is not None:  # its own layout, and always the checked decoder
+                mc = mc._replace(
+                    to_wire=legacy.to_wire,
+                    decoder=msgspec.msgpack.Decoder(legacy.wire),
+                    from_wire=legacy.from_wire,
+                    fast_from_wire=None,
+                    after=None,
+                    slots=legacy.slots,
+                )
+            table[s.type_id] = mc
         out[version] = table
     return out
 
@@ -329,22 +283,23 @@ def _scalar_problem(value: Any, kind: str, lo: Any, hi: Any) -> str | None:
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def _refused(mc: MessageCodec, msg: Any, exc: Exception) -> EncodeError:
-    """The error for a value msgspec or numpy refused. A top-level encoder leaves the 64-bit
-    bounds msgpack shares to msgspec's OverflowError: the scalar table names the field."""
-    if isinstance(exc, OverflowError) and mc.scalars:
-        refuse_scalars(msg, mc.name, mc.scalars)  # raises, naming the field out of range
-    return EncodeError(f"cannot encode: {exc}", message=mc.name)
+def _body(mc: MessageCodec, msg: Any, side: SideFrames | None) -> bytes:
+    """The encoded body, or the error for a value msgspec or numpy refused. A top-level encoder
+    leaves the 64-bit bounds msgpack shares to msgspec's OverflowError: the scalar table names
+    the field."""
+    try:
+        return _encode(mc.to_wire(msg, side))
+    except WireError:
+        raise
+    except Exception as exc:  # msgspec/numpy refuse a wrongly typed value
+        if isinstance(exc, OverflowError) and mc.scalars:
+            refuse_scalars(msg, mc.name, mc.scalars)  # raises, naming the field out of range
+        raise EncodeError(f"cannot encode: {exc}", message=mc.name) from None
 
 
 def encode_with(mc: MessageCodec, msg: Any) -> list[SideFrame]:
     side: SideFrames = []
-    try:
-        body = _encode(mc.to_wire(msg, side))
-    except WireError:
-        raise
-    except Exception as exc:  # msgspec/numpy refuse a wrongly typed value
-        raise _refused(mc, msg, exc) from None
+    body = _body(mc, msg, side)
     n = len(side)
     if not n:
         return [mc.headers[0], body]
@@ -357,13 +312,7 @@ def encode_with(mc: MessageCodec, msg: Any) -> list[SideFrame]:
 
 
 def encode_bytes_with(mc: MessageCodec, msg: Any) -> bytes:
-    try:
-        body = _encode(mc.to_wire(msg, None))
-    except WireError:
-        raise
-    except Exception as exc:
-        raise _refused(mc, msg, exc) from None
-    return mc.headers[0] + body
+    return mc.headers[0] + _body(mc, msg, None)
 
 
 def decode_with(mc: MessageCodec, frames: Frames, strict: bool = True) -> Any:
@@ -451,10 +400,10 @@ def _version_arg(version: Any) -> Version:
 
 
 def _fast_decoder(
-    by_header: Mapping[bytes, _Entry], checked: Callable[[Any], tuple[Any, Version]]
+    by_header: Mapping[bytes, _Entry], checked: Callable[[Any], tuple[Any, Version]], versioned: bool
 ) -> Callable[[Frames], Any]:
-    """A registry's ``decode``: a closure over its header table, so the common case reads locals
-    (no bound method, no attribute lookups on the registry).
+    """A registry's ``decode`` (``versioned``: ``decode_versioned``): a closure over its header
+    table, so the common case reads locals (no bound method, no attribute lookups on the registry).
 
     The common case runs in this one frame: a ``bytes`` header this build writes itself (one
     dict lookup on its bytes checks magic, protocol, version, type and side-frame count at
@@ -469,13 +418,14 @@ def _fast_decoder(
             try:  # a header that is not bytes finds no entry or is unhashable
                 entry = lookup(frames[0])
                 if entry is not None:
-                    body, fast, count, after, _ = entry
+                    body, fast, count, after, version = entry
                     msg, end = fast(body(frames[1]), frames, 2)
                     if end == count == len(frames):  # every side frame referenced, and no more
-                        return msg if after is None else after(msg)
+                        msg = msg if after is None else after(msg)
+                        return (msg, version) if versioned else msg
             except Exception:
                 pass
-        return checked(frames)[0]
+        return checked(frames) if versioned else checked(frames)[0]
 
     return decode
 
@@ -519,8 +469,12 @@ class Registry:
                     continue
                 for k, header in enumerate(mc.headers):
                     self.by_header[header] = (mc.decoder.decode, mc.fast_from_wire, k + 2, mc.after, v)
-        self.decode: Callable[[Frames], Any] = _fast_decoder(self.by_header, self._checked)
+        self.decode: Callable[[Frames], Any] = _fast_decoder(self.by_header, self._checked, False)
         """Decode multipart frames into the model of their major (see :func:`_fast_decoder`)."""
+        self.decode_versioned: Callable[[Frames], tuple[Any, Version]] = _fast_decoder(
+            self.by_header, self._checked, True
+        )
+        """Decode to the model of the frames' major; also return the version the sender wrote."""
 
     # --- down-conversion ------------------------------------------------------------------
     def target(self, msg: Any, version: Any) -> MessageCodec:
@@ -572,25 +526,6 @@ class Registry:
         if version is None or version == mc.version:
             return encode_bytes_with(mc, msg)
         return encode_bytes_with(self.target(msg, version), msg)
-
-    def _fast(self, frames: Frames) -> tuple[Any, Version] | None:
-        """The common case: a ``bytes`` header this build writes itself (see :meth:`decode`)."""
-        if type(frames) is list:
-            try:
-                entry = self.by_header.get(frames[0])
-                if entry is not None:
-                    body, fast, count, after, version = entry
-                    msg, end = fast(body(frames[1]), frames, 2)
-                    if end == count == len(frames):
-                        return (msg if after is None else after(msg)), version
-            except Exception:
-                pass
-        return None
-
-    def decode_versioned(self, frames: Frames) -> tuple[Any, Version]:
-        """Decode to the model of the frames' major; also return the version the sender wrote."""
-        fast = self._fast(frames)
-        return fast if fast is not None else self._checked(frames)
 
     def _checked(self, frames: Any) -> tuple[Any, Version]:
         """Every check spelled out; raises the classified error."""
