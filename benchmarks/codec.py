@@ -23,15 +23,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import pdwire.wire as w
-from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
+from _common import codec_arguments, head, interleaved_us, machine, reference_loop, reference_text, table_row
+from baseline_frames import (
     ascii_int,
-    codec_arguments,
-    interleaved_us,
-    machine_line,
     native_u64,
     pack_int_lists,
     pack_list_of_buffers,
-    reference_loop,
     unpack_int_lists,
     unpack_list_of_buffers,
     unpack_u64,
@@ -304,7 +301,7 @@ Case = tuple[str, str, Callable[[], list[Any]], Callable[[list[bytes]], object]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = codec_arguments(__doc__.splitlines()[0])
+    ap = codec_arguments(__doc__)
     ap.add_argument("--sglang", action="store_true", help="also the SGLang profile rows (codec_sglang.py)")
     args = ap.parse_args(argv)
 
@@ -326,55 +323,73 @@ def main(argv: list[str] | None = None) -> int:
         fns[(name, codec, "encode")] = enc
         fns[(name, codec, "decode")] = _bind(dec, received[(name, codec)])
     runs = interleaved_us(fns, args.repeat, args.quick, args.timer)
-
-    def cell(name: str, codec: str) -> tuple[float, float, float]:
-        e, d = runs[(name, codec, "encode")], runs[(name, codec, "decode")]
-        both = [x + y for x, y in zip(e, d, strict=True)]  # the same round's encode and decode
-        return statistics.median(e), statistics.median(d), statistics.median(both)
+    # encode + decode of the same round, per row
+    both = {
+        (name, codec): [
+            e + d for e, d in zip(runs[(name, codec, "encode")], runs[(name, codec, "decode")], strict=True)
+        ]
+        for name, codec, _, _ in cases
+    }
 
     print(machine_line(args.repeat, args.timer, load, runs[("reference", "", "")]))
     print()
     print(
-        "| message | codec | encode µs | decode µs | enc+dec µs | fastest enc+dec µs | speed-up "
-        "| bytes on wire | frames |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, codec, _, _ in cases:
-        e, d, both = cell(name, codec)
-        fastest = min(
-            x + y for x, y in zip(runs[(name, codec, "encode")], runs[(name, codec, "decode")], strict=True)
+        head(
+            "message",
+            "codec",
+            "encode µs",
+            "decode µs",
+            "enc+dec µs",
+            "fastest enc+dec µs",
+            "speed-up",
+            "bytes on wire",
+            "frames",
         )
-        speed = cell(name, "baseline")[2] / both
+    )
+    for name, codec, _, _ in cases:
+        e, d = (statistics.median(runs[(name, codec, op)]) for op in ("encode", "decode"))
+        median = statistics.median(both[(name, codec)])
+        speed = statistics.median(both[(name, "baseline")]) / median
         frames = received[(name, codec)]
         print(
-            f"| {name} | {codec} | {e:.2f} | {d:.2f} | {both:.2f} | {fastest:.2f} | {speed:.1f}x | "
-            f"{sum(len(f) for f in frames)} | {len(frames)} |"
+            table_row(
+                [
+                    name,
+                    codec,
+                    f"{e:.2f}",
+                    f"{d:.2f}",
+                    f"{median:.2f}",
+                    f"{min(both[(name, codec)]):.2f}",
+                    f"{speed:.1f}x",
+                    sum(len(f) for f in frames),
+                    len(frames),
+                ]
+            )
         )
     # the target's ratio, round by round: both rows were timed side by side in each round, so
     # the ratio holds still while this VM's phases move every row together
-    ratios = [
-        (pe + pd) / (fe + fd)
-        for pe, pd, fe, fd in zip(
-            runs[("TransferRequest", "pdwire", "encode")],
-            runs[("TransferRequest", "pdwire", "decode")],
-            runs[("TransferRequest", "floor", "encode")],
-            runs[("TransferRequest", "floor", "decode")],
-            strict=True,
-        )
-    ]
+    pairs = zip(both[("TransferRequest", "pdwire")], both[("TransferRequest", "floor")], strict=True)
+    ratios = [p / f for p, f in pairs]
     spread = ""
     if len(ratios) > 1:
         q1, _, q3 = statistics.quantiles(ratios)
         spread = f" (quartiles {q1:.2f}-{q3:.2f}x)"
     median = statistics.median(ratios)
     print(f"\nTransferRequest enc+dec, pdwire / floor per round: median {median:.2f}x{spread}")
-    # --- SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code ---
-    if args.sglang:
-        from codec_sglang import TABLE_HEAD  # benchmarks/ is on sys.path when run as a script
+    if args.sglang:  # SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code
+        from codec_sglang import TABLE_HEAD
         from codec_sglang import run as sglang_rows
 
-        print("\n".join(["", *TABLE_HEAD, *sglang_rows(args.repeat, args.quick, args.timer)[0]]))
+        print("\n".join(["", TABLE_HEAD, *sglang_rows(args.repeat, args.quick, args.timer)[0]]))
     return 0
+
+
+def machine_line(repeat: int, timer: str, load: float, reference: list[float]) -> str:
+    """The header line every codec table starts with: machine, library versions, the reference loop."""
+    return machine(
+        f"msgspec {msgspec.__version__}; medians of {repeat} interleaved rounds ({timer} time)",
+        f"load average at start {load:.1f}; {reference_text(reference)}",
+    )
 
 
 def check_same_content(

@@ -9,7 +9,7 @@ transfer info (same indices), NIXL status. The baseline is SGLang-style hand-wri
 builders with ``struct.pack``/``tobytes``/``pack_int_lists`` and parsers with ``int()``,
 ``struct.unpack`` and ``np.frombuffer`` (lists unpacked to Python lists, as SGLang does),
 with none of the generated codec's validation. Both produce the same frames (asserted).
-Each cell is the median of ``--repeat`` interleaved rounds (``baseline_frames.interleaved_us``),
+Each cell is the median of ``--repeat`` interleaved rounds (``_common.interleaved_us``),
 each the mean over many calls, same process; ``--timer cpu`` counts this process's CPU time only
 (a run descheduled on a shared machine does not count the time it waited).
 """
@@ -23,22 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from baseline_frames import (  # benchmarks/ is on sys.path when run as a script
-    codec_arguments,
-    interleaved_us,
-    machine_line,
-    native_u64,
-    pack_int_lists,
-    reference_loop,
-    unpack_int_lists,
-    unpack_u64,
-)
+from _common import codec_arguments, interleaved_us, reference_loop, table_row
+from baseline_frames import native_u64, pack_int_lists, unpack_int_lists, unpack_u64
 from pdwire.wire import sglang
 
 IP = b"10.0.0.2"
 TABLE_HEAD = (
-    "| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |",
-    "|---|---|---|---|---|---|---|---|",
+    "| message | codec | encode µs | decode µs | enc+dec µs | speed-up | bytes on wire | frames |\n"
+    "|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -277,30 +269,29 @@ def run(repeat: int, quick: bool, timer: str = "wall") -> tuple[list[str], list[
     rows = []
     for name, *_ in cases:
         cells = {
-            codec: (
-                statistics.median(runs[(name, codec, "encode")]),
-                statistics.median(runs[(name, codec, "decode")]),
-            )
+            codec: [statistics.median(runs[(name, codec, op)]) for op in ("encode", "decode")]
             for codec in ("pdwire", "hand-written")
         }
         base = sum(cells["hand-written"])
-        nbytes, nframes = sizes[name]
         for codec, (e, d) in cells.items():
+            speed = f"{base / (e + d):.1f}x"
             rows.append(
-                f"| sglang {name} | {codec} | {e:.2f} | {d:.2f} | {e + d:.2f} | {base / (e + d):.1f}x | "
-                f"{nbytes} | {nframes} |"
+                table_row(
+                    [f"sglang {name}", codec, f"{e:.2f}", f"{d:.2f}", f"{e + d:.2f}", speed, *sizes[name]]
+                )
             )
     return rows, runs[("reference", "", "")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = codec_arguments(__doc__.splitlines()[0])
-    args = ap.parse_args(argv)
+    from codec import machine_line
+
+    args = codec_arguments(__doc__).parse_args(argv)
     load = os.getloadavg()[0]
     rows, reference = run(args.repeat, args.quick, args.timer)
     print(machine_line(args.repeat, args.timer, load, reference))
     print()
-    print("\n".join([*TABLE_HEAD, *rows]))
+    print("\n".join([TABLE_HEAD, *rows]))
     return 0
 
 

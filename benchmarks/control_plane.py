@@ -24,18 +24,26 @@ any socket protocol here), and the in-process encode+decode time of those messag
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
 import time
-import timeit
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from _common import (
+    arguments,
+    head,
+    interleaved_us,
+    load,
+    machine,
+    median_s,
+    reference_loop,
+    reference_text,
+    single_host,
+    table_row,
+)
 
 
 def _echo(conn: Connection) -> None:
@@ -83,18 +91,17 @@ def zmq_baseline(n: int = 2000) -> float:
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     req = _request()
-    times = []
-    for i in range(n + 200):
-        t = time.perf_counter()
+
+    def round_trip() -> None:
         sock.send_multipart(wire.encode(req))
         wire.decode(sock.recv_multipart())
-        if i >= 200:  # warm-up
-            times.append(time.perf_counter() - t)
+
+    rtt = median_s(round_trip, n, warmup=200)
     sock.send(b"stop")
     proc.join(10)
     sock.close(0)
     ctx.term()
-    return statistics.median(times) * 1e6
+    return rtt * 1e6
 
 
 def codec_baseline(n: int = 20000) -> float:
@@ -190,15 +197,11 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", default="nixl,local")
+    ap = arguments(__doc__, backends="nixl,local")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    load = os.getloadavg()[0]
-    py = platform.python_version()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f}, Python {py}")
+    single_host()
+    print(machine(load()))
     ref_start = reference_us()
     zmq_rtt = zmq_baseline()
     codec = codec_baseline()
@@ -206,33 +209,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline: raw pyzmq round trip (TransferRequest -> TransferStatus, 2 processes) {rtt}")
     print(f"baseline: encode+decode of TransferRequest + TransferStatus + Notification: {codec:.1f} us")
     print()
-    cols = "backend | concurrent | requests | latency p50 | latency p99 | data p50 | overhead p50"
-    print(f"| {cols} | amortised/request | wall/request |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    cols = ("latency p50", "latency p99", "data p50", "overhead p50", "amortised/request", "wall/request")
+    print(head("backend", "concurrent", "requests", *cols))
     for backend in args.backends.split(","):
         r = measure(backend, args.rounds)
         for conc in (1, 64):
             m = r[f"c{conc}"]
-            am = f"{m['amortised_us'] / 1e3:.3f} ms" if m["amortised_us"] is not None else "-"
-            wall = f"{m['wall_per_request_us'] / 1e3:.3f} ms" if m["wall_per_request_us"] is not None else "-"
-            print(
-                f"| {backend} | {conc} | {m['requests']} | {m['latency_p50_us'] / 1e3:.3f} ms | "
-                f"{m['latency_p99_us'] / 1e3:.3f} ms | {m['data_p50_us'] / 1e3:.3f} ms | "
-                f"{m['overhead_p50_us'] / 1e3:.3f} ms | {am} | {wall} |"
+            keys = (
+                "latency_p50_us",
+                "latency_p99_us",
+                "data_p50_us",
+                "overhead_p50_us",
+                "amortised_us",
+                "wall_per_request_us",
             )
+            ms = ["-" if m[k] is None else f"{m[k] / 1e3:.3f} ms" for k in keys]
+            print(table_row([backend, conc, m["requests"], *ms]))
         sys.stdout.flush()
     print()
-    print(f"machine speed: reference loop (sum(range(100))) at start {ref_start}, at end {reference_us()}")
+    print(f"machine speed at start: {ref_start}; at end: {reference_us()}")
     return 0
 
 
 def reference_us() -> str:
-    """The fixed pure-Python loop every benchmark times: about 0.75 us when this shared VM runs in
-    its fast phase, about 1.4 us in its slow one (everything here is slower then too)."""
-    from baseline_frames import reference_loop  # benchmarks/ is on sys.path when run as a script
-
-    runs = [timeit.timeit(reference_loop, number=20000) / 20000 * 1e6 for _ in range(9)]
-    return f"median {statistics.median(runs):.2f} us"
+    """The fixed pure-Python loop every benchmark times (``_common.reference_loop``)."""
+    return reference_text(interleaved_us({0: reference_loop}, 9, quick=False)[0])
 
 
 if __name__ == "__main__":

@@ -12,15 +12,15 @@ round trip each run measures is reported alongside as the machine's yardstick.
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _common import arguments, head, load, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM = r"(-?[\d.]+) ms"
@@ -77,18 +77,17 @@ def spread(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = arguments(__doc__, backends="nixl,local")
     ap.add_argument("--ref", default="6c4b694", help="the reference build: a commit or release tag")
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--backends", default="nixl,local")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdwire-ab-") as tmp:
         base = Path(tmp)
         builds = {"reference": install(args.ref, base), "current": None}
         for name, site in builds.items():
             print(f"{name}: pdwire.runtime from {which_runtime(site, base)}")
-        print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        print(machine(load()))
         results: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
         for pair in range(args.pairs):
             order = list(builds) if pair % 2 == 0 else list(reversed(builds))
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"Medians of {args.pairs} alternating runs each (ms); reference {args.ref}, current: working tree")
     print()
-    print("| row | reference (range) | current (range) | current / reference |")
-    print("|---|---|---|---|")
+    print(head("row", "reference (range)", "current (range)", "current / reference"))
     for key in results["reference"][0]:
         ref, cur = ([r[key] for r in results[name] if key in r] for name in builds)
         ratio = statistics.median(cur) / statistics.median(ref)

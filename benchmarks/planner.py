@@ -18,15 +18,10 @@ merges rows adjacent on both sides in one final sorted pass, as the planner does
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
+from _common import arguments, head, machine, median_s, table_row
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     AuxBuffer,
@@ -45,13 +40,8 @@ from pdwire.runtime.planner import (
 )
 
 TOKENS, PAGE, LAYERS, HEADS, HEAD_BYTES = 32 * 1024, 64, 64, 8, 128 * 2
-MAMBA_LAYERS, CONV_BLOCKS, CONV_UNIT, TEMPORAL_HEADS, TEMPORAL_UNIT = (
-    48,
-    (2048, 2048, 4096),
-    3 * 2,
-    32,
-    128 * 128 * 4,
-)
+MAMBA_LAYERS, CONV_BLOCKS, CONV_UNIT = 48, (2048, 2048, 4096), 3 * 2
+TEMPORAL_HEADS, TEMPORAL_UNIT = 32, 128 * 128 * 4
 SWA_LAYERS, SWA_WINDOW, DSA_LAYERS, DSA_TOKEN_BYTES, AUX_ITEM = 16, 4096, 64, 132, 4096
 POOL_PAGES, MAMBA_SLOTS = 4096, 64
 PAGES = TOKENS // PAGE
@@ -202,14 +192,13 @@ def baseline_mamba(
     tensor_s: StateTensor,
     tensor_d: StateTensor,
     blocks: tuple[int, ...],
-    p_tp: int,
-    p: int,
-    d_tp: int,
-    d: int,
+    plan: PeerPlan,
     unit: int,
     s_slot: int,
     d_slot: int,
 ) -> Rows:
+    p_tp, p = plan.local.position.tp_size, plan.local.position.tp_rank
+    d_tp, d = plan.remote.position.tp_size, plan.remote.position.tp_rank
     rows: Rows = []
     for sb, db in zip(tensor_s.base_addrs, tensor_d.base_addrs, strict=True):
         layer_rows: Rows = []
@@ -277,18 +266,7 @@ def baseline(
         unit = CONV_UNIT if ts.name == "conv" else TEMPORAL_UNIT
         if ts.name == "conv" and ts.outer_rows > 1:
             unit = CONV_UNIT // ts.outer_rows  # the rows split the conv taps off the channel axis
-        mamba_rows += baseline_mamba(
-            ts,
-            td,
-            blocks,
-            lp.tp_size,
-            lp.tp_rank,
-            rp.tp_size,
-            rp.tp_rank,
-            unit,
-            state_src[0][0],
-            state_dst[0][0],
-        )
+        mamba_rows += baseline_mamba(ts, td, blocks, plan, unit, state_src[0][0], state_dst[0][0])
     rows += merge_adjacent(mamba_rows) if vllm else mamba_rows  # conv's last row meets temporal
     for ts, td in zip(swa_s.tensors, swa_d.tensors, strict=True):
         rows += baseline_paged_heads(
@@ -324,19 +302,8 @@ def _sorted_rows(table: DescriptorTable) -> np.ndarray:
     return stacked[np.lexsort((stacked[:, 1], stacked[:, 0]))]
 
 
-def _median_seconds(function: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--baseline-repeats", type=int, default=3)
     args = parser.parse_args()
@@ -345,14 +312,11 @@ def main() -> None:
     swa_pages = SWA_WINDOW // PAGE
     state_src = [[7], src_pages[-swa_pages:].tolist(), src_pages.tolist()]
     state_dst = [[9], dst_pages[-swa_pages:].tolist(), dst_pages.tolist()]
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or 'cpu'}, "
-        f"Python {platform.python_version()}, numpy {np.__version__}"
-    )
+    print(machine())
     print(f"request: {TOKENS} tokens = {PAGES} pages of {PAGE} (fragmented), one peer\n")
-    header = ("case", "layout", "descriptors", "kv", "state", "planner ms", "loop ms", "speed-up", "Mdesc/s")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(
+        head("case", "layout", "descriptors", "kv", "state", "planner ms", "loop ms", "speed-up", "Mdesc/s")
+    )
     cases = [
         (p, d, layout, False) for p, d in ((4, 4), (2, 4), (4, 2)) for layout in (Layout.NHD, Layout.HND)
     ]
@@ -371,18 +335,27 @@ def main() -> None:
         expected = expected[np.lexsort((expected[:, 1], expected[:, 0]))]
         assert np.array_equal(_sorted_rows(result.table()), expected), "planner and loop disagree"
         assert len(result.table().mergeable_pairs()) == 0
-        planner_s = _median_seconds(run_planner, args.repeats)
-        loop_s = _median_seconds(
+        planner_s = median_s(run_planner, args.repeats)
+        loop_s = median_s(
             lambda plan=plan: baseline(plan, src_pages.tolist(), dst_pages.tolist(), state_src, state_dst),
             args.baseline_repeats,
         )
         counts = result.counts()
         total = result.descriptor_count
         print(
-            f"| P={p_tp} -> D={d_tp} | {'vllm' if vllm else layout.value} | {total} | "
-            f"{counts['kv']} | {counts['state']} | "
-            f"{planner_s * 1e3:.2f} | {loop_s * 1e3:.1f} | {loop_s / planner_s:.0f}x | "
-            f"{total / planner_s / 1e6:.1f} |"
+            table_row(
+                [
+                    f"P={p_tp} -> D={d_tp}",
+                    "vllm" if vllm else layout.value,
+                    total,
+                    counts["kv"],
+                    counts["state"],
+                    f"{planner_s * 1e3:.2f}",
+                    f"{loop_s * 1e3:.1f}",
+                    f"{loop_s / planner_s:.0f}x",
+                    f"{total / planner_s / 1e6:.1f}",
+                ]
+            )
         )
 
 

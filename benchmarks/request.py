@@ -30,9 +30,9 @@ per-rank work a full deployment does in parallel on separate hosts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
-import platform
 import queue
 import statistics
 import sys
@@ -49,6 +49,7 @@ from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, generate_directo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # request_model when imported by tests
 
+from _common import arguments, head, load, machine, median_s, single_host
 from request_model import (
     Content,
     Model,
@@ -249,9 +250,11 @@ def _wait_done(side: _Side, room: int) -> list[tuple[int, int, str, str, float]]
 
 
 def _stop(side: _Side) -> None:
+    failures = [f for r in side.ranks for f in r.worker.stats.failures]
     for r in side.ranks:
         r.thread.close()
         r.backend.close()
+    side.conn.send(("stopped", failures))
 
 
 STATS = (
@@ -295,27 +298,15 @@ def _prefill(side: _Side) -> None:
         cmd = conn.recv()
         if cmd[0] == "plan":
             total, descs = 0.0, 0
+            tp = case.prefill_tp, case.decode_tp
+            reads = {d: route_decode_rank(*tp, d, is_mla=False).prefill_ranks for d in case.decode_ranks}
             for r in side.ranks:
                 local = r.layout.memory(1 << 44)  # addresses do not change planning time
-                for d in case.decode_ranks:
-                    if (
-                        r.rank
-                        not in route_decode_rank(
-                            case.prefill_tp, case.decode_tp, d, is_mla=False
-                        ).prefill_ranks
-                    ):
-                        continue
-                    remote = RankLayout(
-                        case.model, case.decode_tp, d, Layout(case.layout), r.layout.pools
-                    ).memory(1 << 50)
-                    plan = prepare_peer(local, remote)
-                    samples = []
-                    for _ in range(cmd[1]):
-                        t = time.perf_counter()
-                        count = _plan_like_the_worker(plan, case, src, dst)
-                        samples.append(time.perf_counter() - t)
-                    total += statistics.median(samples)
-                    descs += count
+                for d in (d for d in case.decode_ranks if r.rank in reads[d]):
+                    remote = RankLayout(case.model, case.decode_tp, d, Layout(case.layout), r.layout.pools)
+                    plan = prepare_peer(local, remote.memory(1 << 50))
+                    total += median_s(lambda plan=plan: _plan_like_the_worker(plan, case, src, dst), cmd[1])
+                    descs += _plan_like_the_worker(plan, case, src, dst)
             conn.send(("planned", total, descs))
         elif cmd[0] == "run":
             room = cmd[1]
@@ -329,26 +320,14 @@ def _prefill(side: _Side) -> None:
                 pages = src.pages
                 for start in range(0, len(pages), case.chunk_pages):
                     stop = min(len(pages), start + case.chunk_pages)
-                    if stop < len(pages):
-                        r.thread.submit(r.worker.send_chunk, room, pages[start:stop], last=False)
-                    else:
-                        r.thread.submit(
-                            r.worker.send_chunk,
-                            room,
-                            pages[start:stop],
-                            last=True,
-                            state=state,
-                            aux_index=src.aux,
-                        )
+                    last = {"state": state, "aux_index": src.aux} if stop == len(pages) else {}
+                    r.thread.submit(r.worker.send_chunk, room, pages[start:stop], last=bool(last), **last)
             released = _wait_done(side, room)
             after = [_stats(r) for r in side.ranks]
             delta = [sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in range(len(STATS))]
             conn.send(("ran", t0, [x[2:4] for x in released], delta))
         elif cmd[0] == "stop":
-            failures = [f for r in side.ranks for f in r.worker.stats.failures]
-            _stop(side)
-            conn.send(("stopped", failures))
-            return
+            return _stop(side)
 
 
 def _scatter_s(side: _Side) -> float:
@@ -401,10 +380,7 @@ def _decode(side: _Side) -> None:
                 problems += [f"decode rank {r.rank}: {x}" for x in p]
             conn.send(("verified", checked, problems))
         elif cmd[0] == "stop":
-            failures = [f for r in side.ranks for f in r.worker.stats.failures]
-            _stop(side)
-            conn.send(("stopped", failures))
-            return
+            return _stop(side)
 
 
 # --------------------------------------------------------------------------- the parent
@@ -545,10 +521,23 @@ def _row(r: Result) -> str:
     )
 
 
-HEADER = (
-    "| backend | case | layout | tokens | ranks | bytes | descriptors | staging | engine rows | posts | "
-    "request ms p50 (min-max) | memcpy ms | x memcpy | planner ms | verified | load |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+HEADER = head(
+    "backend",
+    "case",
+    "layout",
+    "tokens",
+    "ranks",
+    "bytes",
+    "descriptors",
+    "staging",
+    "engine rows",
+    "posts",
+    "request ms p50 (min-max)",
+    "memcpy ms",
+    "x memcpy",
+    "planner ms",
+    "verified",
+    "load",
 )
 
 
@@ -557,42 +546,25 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     if args.layers:
         model = model.scaled(args.layers)
     cases = []
-    for backend in args.backends.split(","):
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            for item in args.cases.split(","):
-                pair, _, only = item.partition(":")
-                p, d = (int(x) for x in pair.split("-"))
-                for layout in [only] if only else args.layouts.split(","):
-                    ranks = args.ranks if args.ranks != "auto" else ("peer" if tokens > 8192 else "all")
-                    if ranks == "all":
-                        pre, dec = tuple(range(p)), tuple(range(d))
-                    else:
-                        pre, dec = subset(p, d, model.heads)
-                    chunk = max(1, args.chunk_tokens // model.page)
-                    for mib in (int(x) for x in args.staging.split(",")):
-                        scatter = mib if args.scatter < 0 else args.scatter if mib else 0
-                        cases.append(
-                            Case(
-                                backend,
-                                p,
-                                d,
-                                layout,
-                                tokens,
-                                pre,
-                                dec,
-                                model,
-                                chunk,
-                                args.repeats,
-                                mib,
-                                scatter,
-                            )
-                        )
+    chunk = max(1, args.chunk_tokens // model.page)
+    tokens = (int(t) for t in args.tokens.split(","))
+    for backend, n, item in itertools.product(args.backends.split(","), tokens, args.cases.split(",")):
+        pair, _, only = item.partition(":")
+        p, d = (int(x) for x in pair.split("-"))
+        ranks = args.ranks if args.ranks != "auto" else ("peer" if n > 8192 else "all")
+        pre, dec = (tuple(range(p)), tuple(range(d))) if ranks == "all" else subset(p, d, model.heads)
+        for layout, mib in itertools.product(
+            [only] if only else args.layouts.split(","), args.staging.split(",")
+        ):
+            scatter = int(mib) if args.scatter < 0 else args.scatter if int(mib) else 0
+            cases.append(
+                Case(backend, p, d, layout, n, pre, dec, model, chunk, args.repeats, int(mib), scatter)
+            )
     return cases
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="nixl,local")
+    ap = arguments(__doc__, backends="nixl,local")
     ap.add_argument("--tokens", default="4096,32768")
     ap.add_argument("--cases", default="4-4,2-4,4-2", help="prefill TP-decode TP pairs (2-4:NHD: one layout)")
     ap.add_argument("--layouts", default="NHD,HND")
@@ -622,16 +594,12 @@ def main(argv: list[str] | None = None) -> int:
             args.staging = "0,4"
         if args.cases == ap.get_default("cases"):
             args.cases = "2-2:HND,2-4:NHD,4-2:NHD"
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    single_host()
     from pdwire.runtime.backends import available_backends
 
     have = set(available_backends())
     args.backends = ",".join(b for b in args.backends.split(",") if b in have)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {mem_available() / 2**30:.1f} GiB available, "
-        f"Python {platform.python_version()}, numpy {np.__version__}; load average {os.getloadavg()}"
-    )
+    print(machine(f"{mem_available() / 2**30:.1f} GiB available", load()))
     print(f"repeats: {args.repeats} (medians; one warm-up run first), chunks of {args.chunk_tokens} tokens\n")
     print(HEADER)
     sys.stdout.flush()
@@ -651,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             last = str(exc).strip().splitlines()[-1]
             print(f"| {case.backend} | {case.pair} | {case.layout} | {case.tokens} | FAILED: {last} |")
         sys.stdout.flush()
-    print(f"\nload average at end {os.getloadavg()}")
+    print(f"\n{load()} at end")
     return 1 if failed else 0
 
 

@@ -13,16 +13,11 @@ worst relative error of the fit over the grid.
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import time
 
 import numpy as np
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
+from _common import arguments, load, machine, median_s, single_host
 from pdwire.runtime.backends import available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable, Region
 from pdwire.runtime.staging import HostCopier
@@ -66,17 +61,16 @@ def engine(name: str, repeats: int) -> tuple[np.ndarray, float]:
                 if rows * length * 2 > size:
                     continue
                 table = _table(sa.address, sb.address, rows, length)
-                times = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
+
+                def transfer(table: DescriptorTable = table) -> None:
                     h = a.post(peer, table, b"x")
                     while not (st := a.poll(h)).finished:
                         time.sleep(2e-5)  # Backend.wait backs off to 2 ms, which would be measured
-                    times.append(time.perf_counter() - t0)
                     a.release(h)
                     assert st.state.value == "DONE", st
                     b.receive_notifications()
-                samples.append((rows, length, statistics.median(times[1:])))
+
+                samples.append((rows, length, median_s(transfer, repeats, warmup=1)))
         return _fit(samples)
     finally:
         a.close()
@@ -98,21 +92,16 @@ def host_copy(repeats: int) -> tuple[np.ndarray, float]:
             table = DescriptorTable(
                 s, d, np.full(rows, length, np.uint64), np.zeros(rows, np.uint32), np.ones(rows, np.uint32)
             )
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                copier.copy(table)
-                times.append(time.perf_counter() - t0)
-            samples.append((rows, length, statistics.median(times[1:])))
+            samples.append((rows, length, median_s(lambda t=table: copier.copy(t), repeats, warmup=1)))
     return _fit(samples)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="nixl,local")
+    ap = arguments(__doc__, backends="nixl,local")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()}")
+    single_host()
+    print(machine(load()))
     (_, row, byte), err = host_copy(args.repeats)
     rate = 1 / max(byte, 1e-15) / 1e9
     print(f"host copy: copy_row_s={row * 1e6:.3f}e-6, copy_byte_s=1 / {rate:.2f}e9 (fit error {err:.0%})")
@@ -124,7 +113,7 @@ def main() -> None:
             f'"{name}": Costs(post_s={post * 1e6:.0f}e-6, engine_row_s={row * 1e6:.3f}e-6, '
             f"engine_byte_s=1 / {1 / max(byte, 1e-15) / 1e9:.2f}e9)  (fit error {err:.0%})"
         )
-    print(f"load average at end {os.getloadavg()}")
+    print(f"{load()} at end")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ rows of the runtime go there too).
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -32,10 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
+from _common import arguments, head, load, machine, single_host, table_row
 from pdwire.runtime.backends import Backend, available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 
@@ -225,42 +220,27 @@ def small(name: str, repeats: int, procs: int) -> Row:
 CASES: list[Case] = [large, small]
 
 
-def machine() -> str:
-    model = "unknown cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__, backends="local,nixl,nixl-shm,mooncake")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="local,nixl,nixl-shm,mooncake")
     ap.add_argument(
         "--two-process",
         default="nixl,nixl-shm",
         help="backends also measured with the target agent in a second process ('' for none)",
     )
     args = ap.parse_args()
+    single_host()
     names = [n for n in args.backends.split(",") if n]
     two = [n for n in args.two_process.split(",") if n in names]
     missing = [n for n in names if VARIANTS.get(n, (n,))[0] not in available_backends()]
     if missing:
         raise SystemExit(f"backends not available here: {missing}")
-    print(f"machine: {machine()}")
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine(load()))
     print(f"repeats: {args.repeats} (medians)\n")
-    runs = [(n, p) for n in names for p in ((1, 2) if n in two else (1,))]
-    rows = [case(n, args.repeats, p) for n, p in runs for case in CASES]
-    table = [HEADER, *[r.cells() for r in rows]]
-    print("| " + " | ".join(table[0]) + " |")
-    print("|" + "|".join("---" for _ in HEADER) + "|")
-    for cells in table[1:]:
-        print("| " + " | ".join(cells) + " |")
+    print(head(*HEADER))
+    for name in names:
+        for procs, case in itertools.product((1, 2) if name in two else (1,), CASES):
+            print(table_row(case(name, args.repeats, procs).cells()), flush=True)
 
 
 if __name__ == "__main__":
