@@ -128,13 +128,9 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
     try:
         from pdwire.demo.cluster import Cluster, busy_seconds
         from pdwire.demo.model import Capacity, ModelSpec
-    except ImportError:  # builds before the demo left the runtime (control_plane_ab.py runs them)
-        try:
-            from pdwire.runtime.demo.cluster import Cluster, busy_seconds  # type: ignore[no-redef]
-            from pdwire.runtime.demo.model import Capacity, ModelSpec  # type: ignore[no-redef]
-        except ImportError:  # ... and before it was a package
-            from pdwire.runtime.demo_cluster import Cluster, busy_seconds  # type: ignore[no-redef]
-            from pdwire.runtime.demo_model import Capacity, ModelSpec  # type: ignore[no-redef]
+    except ImportError:  # the release build control_plane_ab.py runs: the demo inside the runtime
+        from pdwire.runtime.demo_cluster import Cluster, busy_seconds  # type: ignore[no-redef]
+        from pdwire.runtime.demo_model import Capacity, ModelSpec  # type: ignore[no-redef]
 
     spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
                      ssm_heads=2, ssm_head_dim=4, ssm_state=4, swa_layers=1, swa_window_pages=1)  # fmt: skip

@@ -3,28 +3,22 @@
     .venv/bin/python benchmarks/request.py [--backends nixl,local] [--tokens 4096,32768]
         [--cases 4-4,2-4,4-2] [--layouts NHD,HND] [--repeats 3] [--ranks auto|all|peer] [--quick]
 
-One request of the planner benchmark's model (KV + Mamba + SWA + DSA + aux; see
-``request_model.py``) moves from a prefill group to a decode group through the engine-facing
-API (``pdwire.runtime.engine``): decode workers ``connect`` and ``start_room``, prefill workers
-get the request's pages chunk by chunk with ``send_chunk``, every worker runs on a
-``WorkerThread``. The two sides are two processes; the ranks of one side are workers (one
-backend agent each) in that side's process, so that a 2-core machine is not asked to schedule
-six busy processes.
+One request of the planner benchmark's model (``request_model.py``) moves from a prefill group to
+a decode group through ``pdwire.runtime.engine`` (decode ``connect`` and ``start_room``, prefill
+``send_chunk`` chunk by chunk): two processes, each rank a worker with its own backend agent on a
+``WorkerThread`` (a 2-core machine is not asked to schedule six busy processes).
 
-Per run: **request** = first ``send_chunk`` on prefill -> the last decode rank's ``on_finished``
-(Success), both clocks CLOCK_MONOTONIC on one host; bytes, descriptors and engine posts from the
-prefill workers' stats. In the same run, right after each request: **memcpy** = ``np.copyto`` of
-the same number of bytes in the decode process (two 256 MiB buffers, larger than any cache,
-copied in turn: DRAM to DRAM, one core); the **planner** time (``plan_request`` of every
-(prefill, decode) peer of the request, medians, in the prefill process before the runs) is part
-of the request time. Every decode byte is set to a sentinel before each run; after the timed runs
-every destination byte is compared with its expected shard (cut from the full tensors with numpy,
-not the planner) and every other byte must still hold the sentinel. One warm-up run is not timed.
+Per run: **request** = first ``send_chunk`` -> the last decode rank's Success (one host, one
+CLOCK_MONOTONIC); bytes, descriptors and posts from the prefill workers' stats. Right after each
+request, **memcpy** = ``np.copyto`` of the same bytes in the decode process (two 256 MiB buffers
+copied in turn: DRAM to DRAM, one core). **planner** = ``plan_request`` of every peer (medians,
+before the runs), part of the request time. One warm-up run is not timed. After the timed runs
+every destination byte is compared with its shard cut by numpy (not the planner) and every other
+byte must still hold the sentinel written before each run.
 
-Ranks: ``all`` moves the request to every decode rank. ``peer`` (the default for requests whose
-memory would not fit this machine, i.e. 32k tokens) moves it to the decode ranks that read from
-prefill rank 1 (the planner benchmark's peer) and the prefill ranks those read from: the same
-per-rank work a full deployment does in parallel on separate hosts.
+Ranks: ``all`` moves the request to every decode rank; ``peer`` (the default at 32k tokens, which
+would not fit this machine) to the decode ranks reading from prefill rank 1 and the prefill ranks
+they read from: the per-rank work of a deployment whose hosts run in parallel.
 """
 
 from __future__ import annotations
@@ -96,7 +90,7 @@ class Case:
         return f"p{p} -> d{d}"
 
 
-def subset(prefill_tp: int, decode_tp: int, heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def subset(prefill_tp: int, decode_tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Decode ranks reading from prefill rank 1 and every prefill rank they read from."""
     from pdwire.runtime.planner import decode_ranks_of_prefill, route_decode_rank
 
@@ -134,9 +128,7 @@ def memory_needed(case: Case) -> int:
     content = (
         case.tokens * case.model.heads * case.model.head_bytes * 3 * 2
     )  # both sides' mixes + temporaries
-    staging = len(case.prefill_ranks) * (case.staging_mib << 20) + len(case.decode_ranks) * (
-        case.scatter_mib << 20
-    )
+    staging = (len(case.prefill_ranks) * case.staging_mib + len(case.decode_ranks) * case.scatter_mib) << 20
     return arenas + content + staging + 2 * SCRATCH
 
 
@@ -552,7 +544,7 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         pair, _, only = item.partition(":")
         p, d = (int(x) for x in pair.split("-"))
         ranks = args.ranks if args.ranks != "auto" else ("peer" if n > 8192 else "all")
-        pre, dec = (tuple(range(p)), tuple(range(d))) if ranks == "all" else subset(p, d, model.heads)
+        pre, dec = (tuple(range(p)), tuple(range(d))) if ranks == "all" else subset(p, d)
         for layout, mib in itertools.product(
             [only] if only else args.layouts.split(","), args.staging.split(",")
         ):

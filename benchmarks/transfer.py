@@ -11,9 +11,6 @@ backends named by ``--two-process`` are measured a second time with the target i
 spawned process (rows "(2 procs)"), which is how the runtime uses them; there the
 target reports each notification back over a pipe. Every case checks all bytes.
 Reported: medians over ``--repeats`` runs, GB/s, ratio to memcpy, descriptors per second.
-
-More rows: append a function to ``CASES`` returning a :class:`Row` (the control-plane
-rows of the runtime go there too).
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ import itertools
 import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from typing import Any
@@ -37,45 +32,12 @@ from pdwire.runtime.descriptors import DescriptorTable
 MiB = 1 << 20
 
 
-@dataclass
-class Row:
-    backend: str
-    case: str
-    nbytes: int
-    ndescs: int
-    seconds: float  # median
-    memcpy_seconds: float  # median baseline, same bytes, timed between the transfers
-
-    def cells(self) -> list[str]:
-        gbs = self.nbytes / self.seconds / 1e9
-        ratio = self.memcpy_seconds / self.seconds
-        return [
-            self.backend,
-            self.case,
-            f"{self.nbytes / MiB:.0f} MiB",
-            str(self.ndescs),
-            f"{self.seconds * 1e3:.2f}",
-            f"{gbs:.2f}",
-            f"{ratio:.2f}x",
-            f"{self.ndescs / self.seconds:,.0f}",
-        ]
-
-
-HEADER = ["backend", "case", "bytes", "descs", "median ms", "GB/s", "vs memcpy", "descs/s"]
-
-
-class Memcpy:
-    """The baseline: ``np.copyto`` of ``nbytes`` between two pre-faulted buffers."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.a = np.ones(nbytes, dtype=np.uint8)
-        self.b = np.zeros(nbytes, dtype=np.uint8)
-        self.b.fill(1)  # zeros written = pages faulted in
-
-    def seconds(self) -> float:
-        t0 = time.perf_counter()
-        np.copyto(self.b, self.a)
-        return time.perf_counter() - t0
+HEADER = ("backend", "case", "bytes", "descs", "median ms", "GB/s", "vs memcpy", "descs/s")
+# each case: its name, bytes, descriptor size, destinations scattered
+CASES = (
+    ("64 MiB in 2 MiB descs", 64 * MiB, 2 * MiB, False),
+    ("4 KiB descs, scattered", 16 * MiB, 4096, True),
+)
 
 
 # Engine options per row name: "nixl-shm" is NIXL with UCX error handling off, which lets UCX
@@ -165,7 +127,8 @@ def backend_seconds(
         a.register([src.region()])
         peer = a.add_peer(md)
         table = _table(src.address, dst_base, nbytes, desc, scatter)
-        times, copies, baseline = [], [], Memcpy(nbytes)
+        times, copies = [], []
+        one, other = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # pre-faulted: ones written
         for i in range(repeats + 1):  # the first run warms connections up and is dropped
             t0 = time.perf_counter()
             h = a.post(peer, table, f"r{i}".encode())
@@ -179,7 +142,9 @@ def backend_seconds(
                 assert _recv(conn, child) == [f"r{i}".encode()]
             times.append(time.perf_counter() - t0)
             a.release(h)
-            copies.append(baseline.seconds())
+            t0 = time.perf_counter()  # the baseline: np.copyto of the same bytes
+            np.copyto(other, one)
+            copies.append(time.perf_counter() - t0)
         if b is not None:
             _verify(src.array, dst.array, table)
         else:
@@ -196,28 +161,6 @@ def backend_seconds(
             if child.is_alive():
                 child.kill()
                 child.join()
-
-
-Case = Callable[[str, int, int], Row]
-
-
-def _label(name: str, procs: int) -> str:
-    return name if procs == 1 else f"{name} (2 procs)"
-
-
-def large(name: str, repeats: int, procs: int) -> Row:
-    nbytes, desc = 64 * MiB, 2 * MiB
-    seconds, memcpy = backend_seconds(name, nbytes, desc, repeats, False, procs)
-    return Row(_label(name, procs), "64 MiB in 2 MiB descs", nbytes, nbytes // desc, seconds, memcpy)
-
-
-def small(name: str, repeats: int, procs: int) -> Row:
-    nbytes, desc = 16 * MiB, 4096
-    seconds, memcpy = backend_seconds(name, nbytes, desc, repeats, True, procs)
-    return Row(_label(name, procs), "4 KiB descs, scattered", nbytes, nbytes // desc, seconds, memcpy)
-
-
-CASES: list[Case] = [large, small]
 
 
 def main() -> None:
@@ -239,8 +182,12 @@ def main() -> None:
     print(f"repeats: {args.repeats} (medians)\n")
     print(head(*HEADER))
     for name in names:
-        for procs, case in itertools.product((1, 2) if name in two else (1,), CASES):
-            print(table_row(case(name, args.repeats, procs).cells()), flush=True)
+        for procs, (case, nbytes, desc, scatter) in itertools.product((1, 2) if name in two else (1,), CASES):
+            seconds, memcpy = backend_seconds(name, nbytes, desc, args.repeats, scatter, procs)
+            label, n = (name if procs == 1 else f"{name} (2 procs)"), nbytes // desc
+            gbs, per_s = f"{nbytes / seconds / 1e9:.2f}", f"{n / seconds:,.0f}"
+            mib, ms, ratio = f"{nbytes / MiB:.0f} MiB", f"{seconds * 1e3:.2f}", f"{memcpy / seconds:.2f}x"
+            print(table_row([label, case, mib, n, ms, gbs, ratio, per_s]), flush=True)
 
 
 if __name__ == "__main__":
