@@ -16,17 +16,8 @@ runtime-version check). Bump :data:`API_VERSION` with any change generated code 
 from __future__ import annotations
 
 API_VERSION = 9
-"""The contract between generated code and this library (3: positional decoders read ASCII
-decimals with ``encodings.read_int*``; 4: encoders hand large arrays to
-``arrays.side_frame(arr, dtype, side, where)``, which makes the array itself the frame;
-5: fast decoders take the next side frame's index and return ``(message, index after)``,
-and ``envelope.refuse_scalars`` returns the values it accepted; 6: a top-level message's
-``MessageSpec.scalars`` lets the encode slow path name a 64-bit field whose bound the encoder
-left to msgpack's own range; 7: a flat top-level message's ``MessageSpec.flat`` table for a
-compiled encoder; 8: that table and the compiled encoder are gone, every message encodes with
-its generated Python encoder; 9: each layout's modules in a package of its own,
-``envelope`` (``codec``, ``header``, ``msgspec_errors``, ``negotiate``) and ``positional``
-(``codec``, ``encodings``, ``errors``), ``Version`` in :mod:`.types`)."""
+"""The contract between generated code and this library; its history is in git (9: each layout's
+modules in a package of their own, ``Version`` in :mod:`.types`)."""
 
 
 def require(version: int, module: str) -> None:

@@ -61,10 +61,6 @@ for _dt in (I32, U32, U64):
     empty(_dt)
 
 
-def empty_i32() -> npt.NDArray[np.int32]:
-    return empty(I32)
-
-
 def empty_u32() -> npt.NDArray[np.uint32]:
     return empty(U32)
 

@@ -129,10 +129,6 @@ def enc_csv(v: object, w: Where) -> bytes:
     return enc_ascii(",".join(v), w)
 
 
-def dec_raw(buf: Buf, w: Where) -> bytes:
-    return bytes(buf)
-
-
 def enc_raw(v: object, w: Where) -> bytes:
     if not isinstance(v, bytes | bytearray | memoryview):
         raise w.encode_error(f"expected bytes, got {type(v).__name__}")

@@ -7,13 +7,9 @@ was read or written as, e.g. ``sglang nixl: NixlRegister.kv_data_ptrs (frame 6):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..errors import DecodeError, EncodeError, FrameCountError, WireError
-
-
-def _prefix(err: WireError, profile: str, backend: str | None) -> None:
-    label = f"{profile} {backend}" if backend else profile
-    err.args = (f"{label}: {err.args[0]}",)
 
 
 class _ProfileError(WireError):
@@ -32,7 +28,11 @@ class _ProfileError(WireError):
         super().__init__(problem, message=message, field=field, frame=frame)
         self.profile = profile
         self.backend = backend
-        _prefix(self, profile, backend)
+        label = f"{profile} {backend}" if backend else profile
+        self.args = (f"{label}: {self.args[0]}",)
+
+
+_E = TypeVar("_E", bound="_ProfileError")
 
 
 class ProfileDecodeError(_ProfileError, DecodeError):
@@ -51,7 +51,7 @@ class ProfileEncodeError(_ProfileError, EncodeError):
     """A value the profile's builder cannot write (wrong type, out of range, not ASCII)."""
 
 
-class ConversionError(WireError):
+class ConversionError(_ProfileError):
     """A conversion between a profile message and pdwire's own message would lose or invent data.
 
     ``missing`` lists the pdwire fields the caller must supply (empty when the problem is
@@ -68,11 +68,8 @@ class ConversionError(WireError):
         field: str | None = None,
         missing: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(problem, message=message, field=field)
-        self.profile = profile
-        self.backend = backend
+        super().__init__(problem, profile=profile, backend=backend, message=message, field=field)
         self.missing = missing
-        _prefix(self, profile, backend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,17 +83,13 @@ class Where:
     frame: int
 
     def decode_error(self, problem: str) -> ProfileDecodeError:
-        return ProfileDecodeError(
-            problem,
-            profile=self.profile,
-            backend=self.backend,
-            message=self.message,
-            field=self.field,
-            frame=self.frame,
-        )
+        return self._error(ProfileDecodeError, problem)
 
     def encode_error(self, problem: str) -> ProfileEncodeError:
-        return ProfileEncodeError(
+        return self._error(ProfileEncodeError, problem)
+
+    def _error(self, cls: type[_E], problem: str) -> _E:
+        return cls(
             problem,
             profile=self.profile,
             backend=self.backend,
