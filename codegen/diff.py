@@ -107,16 +107,13 @@ class _Collector:
         default_factory=dict
     )
 
-    def add(
-        self,
-        breaking: bool,
-        rule: str,
-        subject: str | None,
-        item: str | None,
-        what: str,
-        versions: tuple[Version, ...] = (),
+    def bad(
+        self, rule: str, subject: str | None, item: str | None, what: str, versions: tuple[Version, ...] = ()
     ) -> None:
-        self.changes.append(Change(breaking, rule, self.file, subject, item, what, versions))
+        self.changes.append(Change(True, rule, self.file, subject, item, what, versions))
+
+    def ok(self, rule: str, subject: str | None, item: str | None, what: str) -> None:
+        self.changes.append(Change(False, rule, self.file, subject, item, what))
 
     def at(self, v: Version, rule: str, subject: str | None, item: str | None, what: str) -> None:
         key = (rule, subject, item, what)
@@ -170,18 +167,15 @@ def diff_protocols(old: Protocol, new: Protocol, released: Iterable[Version] | N
 # --- protocol level ------------------------------------------------------------------------
 def _protocol_rules(old: Protocol, new: Protocol, released: tuple[Version, ...], out: _Collector) -> None:
     if old.protocol_id != new.protocol_id:
-        out.add(
-            True, "PROTOCOL_ID", None, None, f"protocol_id changed {old.protocol_id} -> {new.protocol_id}"
-        )
+        out.bad("PROTOCOL_ID", None, None, f"protocol_id changed {old.protocol_id} -> {new.protocol_id}")
     if old.layout != new.layout:
-        out.add(True, "LAYOUT", None, None, f"layout changed {old.layout} -> {new.layout}")
+        out.bad("LAYOUT", None, None, f"layout changed {old.layout} -> {new.layout}")
     new_majors = {v[0] for v in new.version_list}
     newest_major = max(new_majors)
     dropped = [v for v in released if v not in new.version_list]
     within = [v for v in dropped if v[0] in new_majors]
     if within:
-        out.add(
-            True,
+        out.bad(
             "VERSION_DROPPED",
             None,
             None,
@@ -193,8 +187,7 @@ def _protocol_rules(old: Protocol, new: Protocol, released: tuple[Version, ...],
     if whole:
         majors = sorted({v[0] for v in whole})
         if all(m < newest_major for m in majors):
-            out.add(
-                False,
+            out.ok(
                 "MAJOR_DROPPED",
                 None,
                 None,
@@ -202,8 +195,7 @@ def _protocol_rules(old: Protocol, new: Protocol, released: tuple[Version, ...],
                 f"major {', '.join(map(str, majors))} are refused at the handshake",
             )
         else:
-            out.add(
-                True,
+            out.bad(
                 "VERSION_DROPPED",
                 None,
                 None,
@@ -212,7 +204,7 @@ def _protocol_rules(old: Protocol, new: Protocol, released: tuple[Version, ...],
             )
     for v in new.version_list:
         if v not in old.version_list:
-            out.add(False, "VERSION_ADDED", None, None, f"version {format_version(v)} added")
+            out.ok("VERSION_ADDED", None, None, f"version {format_version(v)} added")
 
 
 # --- one released version ------------------------------------------------------------------
@@ -406,7 +398,7 @@ def _undo_renames(old: Protocol, new: Protocol, out: _Collector) -> Protocol:
     if not renamed:
         return new
     for now, was in sorted(renamed.items()):
-        out.add(False, "MESSAGE_RENAMED", f"message {was}", None, f"renamed to {now} (type id kept)")
+        out.ok("MESSAGE_RENAMED", f"message {was}", None, f"renamed to {now} (type id kept)")
     messages = {
         renamed.get(name, name): replace(m, name=renamed[name]) if name in renamed else m
         for name, m in new.messages.items()
@@ -440,8 +432,7 @@ def _promise_rule(old: Protocol, new: Protocol, released: tuple[Version, ...], o
         lost = tuple(r for r in released if r >= v and r[0] == v[0] and (name not in now or now[name] > r))
         if lost:
             how = "withdrawn" if name not in now else f"moved to {format_version(now[name])}"
-            out.add(
-                True,
+            out.bad(
                 "PROMISE_WITHDRAWN",
                 None,
                 f"promise {name}",
@@ -451,8 +442,7 @@ def _promise_rule(old: Protocol, new: Protocol, released: tuple[Version, ...], o
         elif name in now and now[name] < v:
             moved = tuple(r for r in released if now[name] <= r < v)
             if moved:
-                out.add(
-                    True,
+                out.bad(
                     "PROMISE_WITHDRAWN",
                     None,
                     f"promise {name}",
@@ -467,11 +457,11 @@ def _history_rules(old: Protocol, new: Protocol, out: _Collector) -> None:
     for name, oe in old.enums.items():
         ne = new.enums.get(name)
         if ne is None:
-            out.add(True, "ENUM_REMOVED", f"enum {name}", None, "enum removed")
+            out.bad("ENUM_REMOVED", f"enum {name}", None, "enum removed")
             continue
         _enum_history(oe, ne, out)
     for name in sorted(new.enums.keys() - old.enums.keys()):
-        out.add(False, "ENUM_ADDED", f"enum {name}", None, "enum added")
+        out.ok("ENUM_ADDED", f"enum {name}", None, "enum added")
     _message_history(old, new, out)
 
 
@@ -484,41 +474,35 @@ def _enum_history(oe: Enum, ne: Enum, out: _Collector) -> None:
     for vname, num in old_by_name.items():
         if vname in new_by_name:
             if new_by_name[vname] != num:
-                out.add(
-                    True,
+                out.bad(
                     "ENUM_NUMBER",
                     subject,
                     f"value {vname} ({num})",
                     f"renumbered {num} -> {new_by_name[vname]}",
                 )
         elif num in new_by_number and new_by_number[num] not in old_by_name:
-            out.add(
-                False,
+            out.ok(
                 "ENUM_VALUE_RENAMED",
                 subject,
                 f"value {vname} ({num})",
                 f"renamed to {new_by_number[num]} (numbers are the wire, names are not)",
             )
         elif num in new_by_number:
-            out.add(
-                True,
+            out.bad(
                 "ENUM_NUMBER",
                 subject,
                 f"value {vname} ({num})",
                 f"number {num} moved to {new_by_number[num]}",
             )
         elif num not in ne.reserved:
-            out.add(
-                True, "ENUM_NUMBER", subject, f"value {vname} ({num})", "removed without reserving its number"
-            )
+            out.bad("ENUM_NUMBER", subject, f"value {vname} ({num})", "removed without reserving its number")
     for vname, num in new_by_name.items():
         if vname in old_by_name or num in old_by_name.values():
             continue
         if num in oe.reserved:
-            out.add(True, "ENUM_NUMBER", subject, f"value {vname} ({num})", f"reuses reserved number {num}")
+            out.bad("ENUM_NUMBER", subject, f"value {vname} ({num})", f"reuses reserved number {num}")
         else:
-            out.add(
-                False,
+            out.ok(
                 "ENUM_VALUE",
                 subject,
                 f"value {vname} ({num})",
@@ -532,8 +516,7 @@ def _message_history(old: Protocol, new: Protocol, out: _Collector) -> None:
     new_reserved_types = {tid for tid, _ in new.reserved_types}
     for tid, name in old.reserved_types:
         if tid not in new_reserved_types:
-            out.add(
-                True,
+            out.bad(
                 "TYPE_ID_UNRESERVED",
                 f"reserved type {name}",
                 None,
@@ -544,15 +527,14 @@ def _message_history(old: Protocol, new: Protocol, out: _Collector) -> None:
         nm = new.messages.get(name)
         if nm is None:
             if om.type_id is not None and om.type_id not in new_reserved_types:
-                out.add(
-                    True,
+                out.bad(
                     "TYPE_ID_UNRESERVED",
                     subject,
                     None,
                     f"removed without reserving type id {om.type_id}",
                 )
             else:
-                out.add(False, "MESSAGE_REMOVED", subject, None, "removed (type id reserved)")
+                out.ok("MESSAGE_REMOVED", subject, None, "removed (type id reserved)")
             continue
         _field_history(om, nm, out)
     for name, nm in new.messages.items():
@@ -560,15 +542,14 @@ def _message_history(old: Protocol, new: Protocol, out: _Collector) -> None:
             continue
         subject = f"message {name}"
         if nm.type_id is not None and nm.type_id in old_types:
-            out.add(
-                True,
+            out.bad(
                 "TYPE_ID_REUSED",
                 subject,
                 None,
                 f"type id {nm.type_id} reused (was {old_types[nm.type_id]})",
             )
         else:
-            out.add(False, "MESSAGE_ADDED", subject, None, f"added in {format_version(nm.since)}")
+            out.ok("MESSAGE_ADDED", subject, None, f"added in {format_version(nm.since)}")
 
 
 def _field_history(om: Message, nm: Message, out: _Collector) -> None:
@@ -584,58 +565,51 @@ def _field_history(om: Message, nm: Message, out: _Collector) -> None:
         nf = new_by_id.get(fid)
         if nf is None:
             if new_res.get(fid) == of.name:
-                out.add(False, "FIELD_RESERVED", subject, item, "moved to reserved")
+                out.ok("FIELD_RESERVED", subject, item, "moved to reserved")
             else:
-                out.add(True, "FIELD_UNRESERVED", subject, item, "removed without reserving its id and name")
+                out.bad("FIELD_UNRESERVED", subject, item, "removed without reserving its id and name")
             continue
         if nf.name != of.name:
             moved = new_by_name.get(of.name)
             if moved is not None:
-                out.add(
-                    True,
+                out.bad(
                     "FIELD_SWAPPED",
                     subject,
                     item,
                     f"id now belongs to {nf.name} while {of.name} moved to id {moved.id} (ids swapped)",
                 )
             else:
-                out.add(
-                    False, "FIELD_RENAMED", subject, item, f"renamed to {nf.name} (names are not on the wire)"
-                )
+                out.ok("FIELD_RENAMED", subject, item, f"renamed to {nf.name} (names are not on the wire)")
         if of.removed is None and nf.removed is not None:
-            out.add(
-                False,
+            out.ok(
                 "FIELD_REMOVED",
                 subject,
                 item,
                 f"removed from {format_version(nf.removed)} (position kept)",
             )
         if of.deprecated != nf.deprecated and nf.deprecated:
-            out.add(False, "FIELD_DEPRECATED", subject, item, "deprecated")
+            out.ok("FIELD_DEPRECATED", subject, item, "deprecated")
     for fid, nf in new_by_id.items():
         if fid in old_by_id:
             continue
         item = f"field {nf.name} (id {fid})"
         if fid in old_res:
-            out.add(True, "RESERVED_REUSED", subject, item, f"reuses reserved id {fid} (was {old_res[fid]})")
+            out.bad("RESERVED_REUSED", subject, item, f"reuses reserved id {fid} (was {old_res[fid]})")
         elif nf.name in old_res_names:
-            out.add(True, "RESERVED_REUSED", subject, item, f"reuses reserved name {nf.name}")
+            out.bad("RESERVED_REUSED", subject, item, f"reuses reserved name {nf.name}")
         elif nf.required and nf.since[1] > 0 and nf.since > nm.since:
             # the loader refuses this too; kept for models built without it
-            out.add(
-                True,
+            out.bad(
                 "REQUIRED_IN_MINOR",
                 subject,
                 item,
                 f"required field added in minor {format_version(nf.since)}",
             )
         else:
-            out.add(False, "FIELD_ADDED", subject, item, f"added in {format_version(nf.since)}")
+            out.ok("FIELD_ADDED", subject, item, f"added in {format_version(nf.since)}")
     for rid, rname in old_res.items():
         if new_res.get(rid) != rname:
-            out.add(
-                True, "RESERVATION_DROPPED", subject, f"reserved {rname} (id {rid})", "reservation dropped"
-            )
+            out.bad("RESERVATION_DROPPED", subject, f"reserved {rname} (id {rid})", "reservation dropped")
 
 
 # --- the handshake -------------------------------------------------------------------------------
@@ -646,7 +620,7 @@ def _handshake_rule(old: Protocol, new: Protocol, compared: set[Version], out: _
     if HANDSHAKE not in old.messages or old.layout != "envelope":
         return
     if HANDSHAKE not in new.messages:
-        out.add(True, "HANDSHAKE_FROZEN", f"message {HANDSHAKE}", None, "the handshake message is gone")
+        out.bad("HANDSHAKE_FROZEN", f"message {HANDSHAKE}", None, "the handshake message is gone")
         return
     first = old.version_list[0]
     frozen = _frozen(old, first)
