@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -36,7 +35,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import arguments, load, machine
+
+from pdwire.demo.model import ModelSpec
+
 ROOT = Path(__file__).resolve().parents[1]
+SPEC = ModelSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)
+
+
+def demo_caches(backend: Any, pages: int, slots: int, swa_pages: int, aux_items: int) -> Any:
+    """The demo model's caches of a TP-1 rank, in memory from ``backend``."""
+    from pdwire.demo.model import Capacity, build_caches, bytes_needed
+
+    cap = Capacity(pages=pages, slots=slots, swa_pages=swa_pages, aux_items=aux_items)
+    return build_caches(SPEC, 1, 0, cap, backend.allocate("caches", bytes_needed(SPEC, 1, 0, cap)).array)
 
 
 def rss_kib(pid: int) -> int:
@@ -58,17 +70,13 @@ def serve(mode: str) -> int:
     from pdwire.runtime.control_auth import ControlAuth
     from pdwire.runtime.engine import ParallelRank, PrefillConfig, PrefillWorker
 
-    from pdwire.demo.model import Capacity, ModelSpec, build_caches, bytes_needed
     from pdwire.demo.rank import model_fingerprint
 
-    spec = ModelSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)
-    cap = Capacity(pages=64, slots=8, swa_pages=16, aux_items=8)
     backend = LocalBackend(agent_name=f"soak-prefill-{os.getpid()}")
-    buf = backend.allocate("caches", bytes_needed(spec, 1, 0, cap))
-    caches = build_caches(spec, 1, 0, cap, buf.array)
+    caches = demo_caches(backend, pages=64, slots=8, swa_pages=16, aux_items=8)
     auth = ControlAuth.generate() if mode == "auth" else None
     kw: dict[str, Any] = {"control_auth": auth} if auth else {"insecure_control": True}
-    cfg = PrefillConfig(engine_id="soak", rank=ParallelRank(1, 0), model=model_fingerprint(spec), **kw)
+    cfg = PrefillConfig(engine_id="soak", rank=ParallelRank(1, 0), model=model_fingerprint(SPEC), **kw)
     with PrefillWorker(cfg, caches.memory, backend=backend) as pre:
         key = auth.public_key.decode() if auth else ""
         print(json.dumps({"endpoint": pre.endpoint, "key": key}), flush=True)
@@ -110,19 +118,15 @@ def hostile_messages(
     ]
 
 
-def bad_registration(spec: Any, agent_name: str) -> Any:
+def bad_registration(agent_name: str) -> Any:
     """A well-formed RegisterInfo of a TP-1 decode rank of ``spec`` whose backend metadata is
     garbage: the rank must refuse it (a typed peer failure) and keep serving."""
     from pdwire.runtime.backends.local import LocalBackend
     from pdwire.runtime.session.registration import register_info
 
-    from pdwire.demo.model import Capacity, build_caches, bytes_needed
-
-    cap = Capacity(pages=8, slots=2, swa_pages=4, aux_items=2)
     backend = LocalBackend(agent_name=agent_name)
     try:
-        memory = backend.allocate("caches", bytes_needed(spec, 1, 0, cap)).array
-        caches = build_caches(spec, 1, 0, cap, memory)
+        caches = demo_caches(backend, pages=8, slots=2, swa_pages=4, aux_items=2)
         return register_info(
             caches.memory, endpoint="tcp://127.0.0.1:1", engine_id="evil", agent_name=agent_name,
             agent_metadata=random.Random(3).randbytes(200),
@@ -137,7 +141,6 @@ def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from pdwire.runtime.session.hello import Identity
 
     from pdwire import wire
-    from pdwire.demo.model import ModelSpec
     from pdwire.demo.rank import model_fingerprint
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -151,15 +154,14 @@ def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     assert child.stdout is not None and child.stdin is not None
     info = json.loads(child.stdout.readline())
     endpoint = info["endpoint"]
-    spec = ModelSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)
-    hello_msg = Identity(wire.Role.DECODE, "evil", ParallelRank(1, 0), model_fingerprint(spec), ()).hello()
+    hello_msg = Identity(wire.Role.DECODE, "evil", ParallelRank(1, 0), model_fingerprint(SPEC), ()).hello()
     hello = [bytes(f) for f in wire.encode(hello_msg, wire.NEWEST)]
     bad_request = wire.TransferRequest(
         room=5, sender="evil", dst_kv_indices=[1, 2, 3], dst_aux_index=0, required_dst_info_num=1,
         decode_prefix_len=0, is_dummy=False, state_indices=[],
     )  # fmt: skip
     request = [bytes(f) for f in wire.encode(bad_request, wire.NEWEST)]
-    register = [bytes(f) for f in wire.encode(bad_registration(spec, "evil"), wire.NEWEST)]
+    register = [bytes(f) for f in wire.encode(bad_registration("evil"), wire.NEWEST)]
     rng = random.Random(7)
     ctx = zmq.Context()
     per_conn = max(1, args.messages // args.connections)
@@ -221,7 +223,7 @@ def ask(child: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--connections", type=int, default=10_000)
     ap.add_argument("--messages", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=100, help="sockets open at once")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.serve:
         return serve(args.serve)
-    print(f"hostile soak on {platform.node()} ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
+    print(machine(load()))
     ok = True
     from pdwire.runtime.workers.failure_log import FAILURE_LOG_LIMIT
     from pdwire.runtime.workers.prefill import MAX_CONNECTIONS

@@ -21,9 +21,8 @@ all rounds):
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from _common import arguments, head, load, machine, table_row
 from pdwire.runtime.control_auth import ENV_KEYS, generate_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine harness is test tooling
@@ -50,16 +50,12 @@ def _hist(metrics: Mapping[str, float], name: str) -> tuple[float, float]:
     return s, c
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "n/a" if v is None else f"{v * scale:,.{digits}f}"
+def _median(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    return f"{statistics.median(values) * scale:,.{digits}f}" if values else "n/a"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arguments(__doc__)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=4)
@@ -109,7 +105,7 @@ def main() -> int:
         c: {"ttft": [], "xfer": [], "bytes": [], "descs": []} for c in names
     }
     tokens: dict[str, dict[str, list[int]]] = {}
-    loaded: dict[str, float] = {}
+    loaded = dict.fromkeys(names, 0.0)
     try:
         for rnd in range(args.repeats + 1):  # round 0 warms up (handshakes, first allocations)
             prompts = h.random_prompts(args.requests, args.prompt_len, seed=1000 + rnd, prefix=f"r{rnd}")
@@ -124,11 +120,7 @@ def main() -> int:
                 r = rows[c]
                 r["ttft"] += [x.ttft_s for x in res.values() if x.ttft_s is not None]
                 tokens.setdefault(c, {}).update(h.tokens(res))
-                loaded[c] = (
-                    loaded.get(c, 0.0)
-                    + h.external_prompt_tokens(after_d)
-                    - h.external_prompt_tokens(before_d)
-                )
+                loaded[c] += h.external_prompt_tokens(after_d) - h.external_prompt_tokens(before_d)
                 if c.startswith("pdwire"):
                     st = pre.connector_stats()
                     spans = [v for k, v in st["spans"].items() if k not in stats_before.get("spans", {})]
@@ -144,44 +136,37 @@ def main() -> int:
                         ("bytes", "vllm:nixl_bytes_transferred"),
                         ("descs", "vllm:nixl_num_descriptors"),
                     ):
-                        s1, c1 = _hist(side, name)
-                        s0, c0 = _hist(base, name)
-                        if c1 > c0:
-                            if key == "xfer":
-                                r[key].append((s1 - s0) / (c1 - c0))
-                            else:
-                                r[key].append((s1 - s0) / len(prompts))
+                        (s1, c1), (s0, c0) = _hist(side, name), _hist(base, name)
+                        if c1 > c0:  # transfer time per transfer, bytes and descriptors per request
+                            r[key].append((s1 - s0) / ((c1 - c0) if key == "xfer" else len(prompts)))
     finally:
         for e in engines:
             e.close()
     first = names[0]
-    load = os.getloadavg()
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
+    print(machine(load()))
     print(
         f"model: tiny {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens, "
         f"{args.max_tokens} output tokens; {args.repeats} rounds (+1 warm-up); engines up in {startup:.0f}s"
     )
     print()
     print(
-        "| connector | decode TTFT ms (median) | transfer ms (median) | bytes / request "
-        f"| descriptors / request | tokens = {first} | external prompt tokens |"
+        head(
+            "connector",
+            "decode TTFT ms (median)",
+            "transfer ms (median)",
+            "bytes / request",
+            "descriptors / request",
+            f"tokens = {first}",
+            "external prompt tokens",
+        )
     )
-    print("|---|---|---|---|---|---|---|")
     for c in names:
         r = rows[c]
         same = "yes" if tokens.get(c) == tokens.get(first) else "NO"
         expect = args.requests * args.repeats * (args.prompt_len - (1 if hybrid else 0))
-        print(
-            f"| {c} | {_fmt(_median(r['ttft']), 1000)} | {_fmt(_median(r['xfer']), 1000, 2)} | "
-            f"{_fmt(_median(r['bytes']), 1, 0)} | {_fmt(_median(r['descs']), 1, 0)} | {same} | "
-            f"{loaded.get(c, 0):.0f} / {expect} |"
-        )
+        cells = [_median(r["ttft"], 1000), _median(r["xfer"], 1000, 2), _median(r["bytes"], 1, 0)]
+        print(table_row([c, *cells, _median(r["descs"], 1, 0), same, f"{loaded[c]:.0f} / {expect}"]))
     if not args.keep_logs:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"\nlogs: {work / 'logs'}")
