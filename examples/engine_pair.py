@@ -99,24 +99,19 @@ def shared_blocks(backend: pd.Backend) -> Rank:
 
 def packed(backend: pd.Backend, tp: int, rank: int) -> Rank:
     """A decode rank: every tensor of every layer packed on its own."""
-    heads, ssm, conv = HEADS // tp, SSM_HEADS // tp, sum(CONV_BLOCKS) // tp
-    shapes = {
-        "k": (PAGES, PAGE, heads, HEAD_DIM),
-        "v": (PAGES, PAGE, heads, HEAD_DIM),
-        "conv": (SLOTS, conv, CONV_WIDTH),
-        "ssm": (SLOTS, ssm, SSM_STATE),
-    }
-    padded = {
-        name: -(-int(np.prod(shape)) * 2 // 64) * 64 for name, shape in shapes.items()
-    }  # 64-byte aligned
-    buf = backend.allocate("cache", LAYERS * sum(padded.values()) + ITEMS * AUX_BYTES).array
-    views: dict[str, list[np.ndarray]] = {name: [] for name in shapes}
+    heads, ssm = HEADS // tp, SSM_HEADS // tp
+    conv = sum(CONV_BLOCKS) // tp
+    shapes = [("k", (PAGES, PAGE, heads, HEAD_DIM))] * LAYERS + [
+        ("v", (PAGES, PAGE, heads, HEAD_DIM))
+    ] * LAYERS
+    shapes += [("conv", (SLOTS, conv, CONV_WIDTH))] * LAYERS + [("ssm", (SLOTS, ssm, SSM_STATE))] * LAYERS
+    sizes = [int(np.prod(s)) * 2 for _, s in shapes] + [ITEMS * AUX_BYTES]
+    buf = backend.allocate("cache", sum(-(-n // 64) * 64 for n in sizes)).array
+    views: dict[str, list[np.ndarray]] = {"k": [], "v": [], "conv": [], "ssm": []}
     offset = 0
-    for name, shape in shapes.items():
-        for _ in range(LAYERS):
-            n = int(np.prod(shape)) * 2
-            views[name].append(buf[offset : offset + n].view(np.uint16).reshape(shape))
-            offset += padded[name]
+    for (name, shape), n in zip(shapes, sizes, strict=False):
+        views[name].append(buf[offset : offset + n].view(np.uint16).reshape(shape))
+        offset += -(-n // 64) * 64
     aux = buf[offset : offset + ITEMS * AUX_BYTES].reshape(ITEMS, AUX_BYTES)
 
     def lens(layers: list[np.ndarray]) -> tuple[int, ...]:
