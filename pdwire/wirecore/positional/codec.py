@@ -144,12 +144,6 @@ class ProfileCodec:
         self._by_class: dict[type[Any], MessageSpec] = {
             s.cls: s for specs in self.versions.values() for s in specs
         }
-        # recognition shortcut: specs by the literal of their frame 0 (None: no fixed frame 0)
-        self._by_head: dict[tuple[Version, bytes | None], list[MessageSpec]] = {}
-        for v, specs in self.versions.items():
-            for s in specs:
-                head = dict(s.consts).get(0)
-                self._by_head.setdefault((v, head), []).append(s)
         self._dispatch = {v: _Dispatch(specs) for v, specs in self.versions.items()}
         self._newest = self._dispatch[self.newest]
         self.encoders: dict[type[Any], Callable[[Any], list[bytes]]] = {
@@ -179,14 +173,6 @@ class ProfileCodec:
     def _recognise(
         self, bufs: list[Buf], backend: str | None, version: Version | None, message: str | None
     ) -> MessageSpec:
-        v = self.newest if version is None else version
-        if message is None and bufs and v in self.versions:
-            # fast path: the candidates sharing this frame 0, plus those without a fixed frame 0
-            head = bytes(bufs[0][:32])
-            cands = self._by_head.get((v, head), []) + self._by_head.get((v, None), [])
-            hits = [s for s in cands if (backend is None or s.backend == backend) and s.matches(bufs)]
-            if len(hits) == 1:
-                return hits[0]
         specs = [s for s in self.specs(version) if backend is None or s.backend == backend]
         if backend is not None and not specs:
             backends = sorted({s.backend for s in self.specs(version)})
@@ -245,12 +231,7 @@ class ProfileCodec:
         return self._recognise(bufs, backend, version, message).decode(bufs)
 
     def encode(self, msg: object) -> list[bytes]:
-        spec = self._by_class.get(type(msg))
-        if spec is None:
-            raise ProfileEncodeError(
-                f"{type(msg).__name__} is not a message of this profile", profile=self.profile, backend=None
-            )
-        return spec.encode(msg)
+        return self.spec_of(msg).encode(msg)
 
     def spec_of(self, msg: object) -> MessageSpec:
         spec = self._by_class.get(type(msg))
