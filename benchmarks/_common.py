@@ -12,7 +12,7 @@ import statistics
 import time
 import timeit
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -66,6 +66,26 @@ def median_s(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
         if i >= warmup:
             samples.append(time.perf_counter() - t)
     return statistics.median(samples)
+
+
+def rows_table(
+    src: int,
+    dst: int,
+    rows: int,
+    length: int,
+    strides: tuple[int, int],
+    scatter: bool = False,
+    dst_region: int = 0,
+) -> Any:
+    """A DescriptorTable of ``rows`` rows of ``length`` bytes: row i from ``src + i * strides[0]`` to
+    ``dst + j * strides[1]``, j = i or, with ``scatter``, a fixed random permutation of the rows."""
+    from pdwire.runtime.descriptors import DescriptorTable
+
+    i = np.arange(rows, dtype=np.uint64)
+    j = np.random.default_rng(0).permutation(rows).astype(np.uint64) if scatter else i
+    s, d = i * np.uint64(strides[0]) + np.uint64(src), j * np.uint64(strides[1]) + np.uint64(dst)
+    regions = np.zeros(rows, np.uint32), np.full(rows, dst_region, np.uint32)
+    return DescriptorTable(s, d, np.full(rows, length, np.uint64), *regions)
 
 
 def table_row(cells: Iterable[object]) -> str:

@@ -175,12 +175,7 @@ def register_content() -> tuple[w.RegisterInfo, dict[str, Any]]:
         aux_item_lens=np.array([64], dtype=u64),
         state_components=comps,
     )
-    raw = register_raw(msg)
-    return msg, raw
-
-
-def _ints(a: Any) -> list[int]:
-    return [int(x) for x in a]
+    return msg, register_raw(msg)
 
 
 def register_raw(m: w.RegisterInfo) -> dict[str, Any]:
@@ -194,13 +189,13 @@ def register_raw(m: w.RegisterInfo) -> dict[str, Any]:
         "geometry": {g: getattr(m.geometry, g) for g in _GEOMETRY},
         "first_layer": m.first_layer,
         "num_layers": m.num_layers,
-        "k_ptrs": _ints(m.k_base_addrs),
-        "v_ptrs": _ints(m.v_base_addrs),
-        "bytes_per_page": _ints(m.bytes_per_page),
-        "region_lens": _ints(m.region_lens),
-        "aux_ptrs": _ints(m.aux_base_addrs),
-        "aux_lens": _ints(m.aux_lens),
-        "aux_item_lens": _ints(m.aux_item_lens),
+        "k_ptrs": m.k_base_addrs.tolist(),
+        "v_ptrs": m.v_base_addrs.tolist(),
+        "bytes_per_page": m.bytes_per_page.tolist(),
+        "region_lens": m.region_lens.tolist(),
+        "aux_ptrs": m.aux_base_addrs.tolist(),
+        "aux_lens": m.aux_lens.tolist(),
+        "aux_item_lens": m.aux_item_lens.tolist(),
         "num_pages": m.num_pages,
         "page_size": m.page_size,
         "kv_layout": int(m.kv_layout),
@@ -210,11 +205,11 @@ def register_raw(m: w.RegisterInfo) -> dict[str, Any]:
         "is_mla": m.is_mla,
         "kv_mem_descs": list(m.kv_mem_descs),
         "state_types": [int(c.type) for c in comps],
-        "state_ptrs": [_ints(c.base_addrs) for c in comps],
-        "state_region_lens": [_ints(c.region_lens) for c in comps],
-        "state_item_lens": [_ints(c.bytes_per_slot) for c in comps],
-        "state_dims": [_ints(c.shard_axis_sizes) for c in comps],
-        "state_sub_blocks": [[_ints(b) for b in c.sub_blocks] for c in comps],
+        "state_ptrs": [c.base_addrs.tolist() for c in comps],
+        "state_region_lens": [c.region_lens.tolist() for c in comps],
+        "state_item_lens": [c.bytes_per_slot.tolist() for c in comps],
+        "state_dims": [c.shard_axis_sizes.tolist() for c in comps],
+        "state_sub_blocks": [[b.tolist() for b in c.sub_blocks] for c in comps],
         "state_mem_descs": [list(c.mem_descs) for c in comps],
     }
 

@@ -142,11 +142,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
         assert c.connect(dec, pre) == [""]
         room = 1
         for conc in (1, 64):
-            per_req: list[float] = []
-            data: list[float] = []
-            overhead: list[float] = []
-            amortised: list[float] = []
-            wall_per_request: list[float] = []
+            per_req, data, overhead, amortised, wall_per_request = [], [], [], [], []  # seconds
             for _ in range(rounds):
                 batch = 30 if conc == 1 else conc
                 rooms = list(range(room, room + batch))
@@ -177,8 +173,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                     busy = busy_seconds([spans[r.room] for r in results], window)
                     amortised.append((wall - busy) / len(results))
                     wall_per_request.append(wall / len(results))
-            key = f"c{conc}"
-            out[key] = {
+            out[f"c{conc}"] = {
                 "requests": len(per_req),
                 "latency_p50_us": statistics.median(per_req) * 1e6,
                 "latency_p99_us": float(np.percentile(per_req, 99)) * 1e6,

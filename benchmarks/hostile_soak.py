@@ -2,21 +2,13 @@
 
     .venv/bin/python benchmarks/hostile_soak.py [--connections 10000] [--messages 100000]
 
-The prefill rank runs in its own process (a PrefillWorker on the local backend with the demo
-model's caches, stepped in a loop). This process opens ``--connections`` sockets to it,
-``--batch`` at a time, sends ``--messages`` messages over them in all (well-formed Hellos,
-random bytes, frames of a valid envelope with garbage inside, registrations whose backend
-metadata is garbage, requests from peers that never registered) and closes them. The rank's
-resident set size is read from ``/proc/PID/status`` after every ``--sample`` connections.
-
-Two runs, the same attack:
-
-* ``auth``: the rank's control plane is authenticated (CURVE, the default). Half the attackers
-  speak plaintext, half CURVE with a key the rank does not know: libzmq refuses every one during
-  the handshake, so the measure is what refused handshakes cost.
-* ``insecure``: the control plane explicitly unauthenticated, so every message reaches the
-  connection machines: the connection table (``MAX_CONNECTIONS``) and the failure log
-  (``FAILURE_LOG_LIMIT``) fill, then evict; RSS must stop growing once they are full.
+The prefill rank (a PrefillWorker on the local backend with the demo model's caches) runs in its
+own process; this one opens ``--connections`` sockets to it, ``--batch`` at a time, sends
+``--messages`` hostile messages over them in all and closes them, reading the rank's RSS from
+``/proc/PID/status`` every ``--sample`` connections. Run ``auth``: the default CURVE control plane
+(half the attackers plaintext, half an unknown key: every handshake refused); run ``insecure``:
+every message reaches the connection machines, whose connection table (``MAX_CONNECTIONS``) and
+failure log (``FAILURE_LOG_LIMIT``) fill, then evict (docs/hostile-peers.md has the whole attack).
 
 Flat means: RSS at the end within ``--tolerance-mib`` of RSS at the first sample after the
 table filled (the first half of the run for ``auth``). Exit status 1 otherwise.

@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/planner.py [--repeats N] [--baseline-repeats N]
 
-Model: page 64; 64 KV layers of 8 KV heads x 128 dims bf16; 48 Mamba layers (GDN conv q|k|v
-2048|2048|4096 channels x 3 taps bf16, temporal 32 heads x 128 x 128 fp32); SWA (16 layers, window
-4096 tokens, K/V head-sharded like KV); DSA indexer (64 layers, replicated, 132 B per token); one aux
-buffer. For each case the planner is timed against a baseline written as a plain per-page,
+Model (the constants below): page 64; 64 KV layers of 8 KV heads x 128 dims bf16; 48 Mamba layers
+(GDN conv q|k|v 2048|2048|4096 channels x 3 taps bf16, temporal 32 heads x 128 x 128 fp32); SWA (16
+layers, window 4096 tokens); DSA indexer (64 layers, replicated, 132 B per token); one aux buffer.
+For each case the planner is timed against a baseline written as a plain per-page,
 per-token Python loop (SGLang's formulas, #30997 scatter fix) that must produce the same
 descriptors; both are timed in the same run, medians reported.
 
@@ -245,17 +245,10 @@ def baseline(
     assert local.kv is not None and remote.kv is not None
     lkv, rkv = local.kv, remote.kv
     vllm = lkv.page_stride is not None
-    rows = baseline_paged_heads(
-        src_pages,
-        dst_pages,
-        lkv.k_base_addrs + tuple(b + lkv.v_offset for b in lkv.v_base_addrs),
-        rkv.k_base_addrs + tuple(b + rkv.v_offset for b in rkv.v_base_addrs),
-        lkv.bytes_per_page,
-        rkv.bytes_per_page,
-        starts,
-        lkv.layout,
-        (lkv.stride, rkv.stride),
-    )
+    s_bases = lkv.k_base_addrs + tuple(b + lkv.v_offset for b in lkv.v_base_addrs)
+    d_bases = rkv.k_base_addrs + tuple(b + rkv.v_offset for b in rkv.v_base_addrs)
+    items, strides = (lkv.bytes_per_page, rkv.bytes_per_page), (lkv.stride, rkv.stride)
+    rows = baseline_paged_heads(src_pages, dst_pages, s_bases, d_bases, *items, starts, lkv.layout, strides)
     if vllm:  # K and V of one block meet, and so do consecutive blocks
         rows = merge_adjacent(rows)
     mamba_s, swa_s, dsa_s = local.state
@@ -269,28 +262,18 @@ def baseline(
         mamba_rows += baseline_mamba(ts, td, blocks, plan, unit, state_src[0][0], state_dst[0][0])
     rows += merge_adjacent(mamba_rows) if vllm else mamba_rows  # conv's last row meets temporal
     for ts, td in zip(swa_s.tensors, swa_d.tensors, strict=True):
+        items = (ts.bytes_per_slot, td.bytes_per_slot)
         rows += baseline_paged_heads(
-            state_src[1],
-            state_dst[1],
-            ts.base_addrs,
-            td.base_addrs,
-            ts.bytes_per_slot,
-            td.bytes_per_slot,
-            starts,
-            lkv.layout,
+            state_src[1], state_dst[1], ts.base_addrs, td.base_addrs, *items, starts, lkv.layout
         )
     if plan.route.prefill_ranks[0] == lp.tp_rank:  # replicated DSA: first rank of the group writes
         ts, td = dsa_s.tensors[0], dsa_d.tensors[0]
         order = sorted(range(len(state_dst[2])), key=state_dst[2].__getitem__)
         for sb, db in zip(ts.base_addrs, td.base_addrs, strict=True):
             layer_rows: Rows = []
+            item = ts.bytes_per_slot
             for i in order:
-                _append(
-                    layer_rows,
-                    sb + state_src[2][i] * ts.bytes_per_slot,
-                    db + state_dst[2][i] * ts.bytes_per_slot,
-                    ts.bytes_per_slot,
-                )
+                _append(layer_rows, sb + state_src[2][i] * item, db + state_dst[2][i] * item, item)
             rows += layer_rows
     if plan.writes_aux:
         rows.append((local.aux[0].base_addr + 3 * AUX_ITEM, remote.aux[0].base_addr + 5 * AUX_ITEM, AUX_ITEM))

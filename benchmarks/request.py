@@ -213,21 +213,11 @@ def _start_ranks(side: _Side, role: str, content: Content | None, where: Placeme
             side.done.put((r, room, status.name, failure.reason if failure else "", time.perf_counter()))
 
         if role == "prefill":
-            worker = pd.PrefillWorker(
-                pd.PrefillConfig(**common, staging_bytes=case.staging_mib << 20),
-                memory,
-                backend=backend,
-                context=ctx,
-                on_released=done,
-            )
+            cfg = pd.PrefillConfig(**common, staging_bytes=case.staging_mib << 20)
+            worker = pd.PrefillWorker(cfg, memory, backend=backend, context=ctx, on_released=done)
         else:
-            worker = pd.DecodeWorker(
-                pd.DecodeConfig(**common, scatter_bytes=case.scatter_mib << 20),
-                memory,
-                backend=backend,
-                context=ctx,
-                on_finished=done,
-            )
+            cfg = pd.DecodeConfig(**common, scatter_bytes=case.scatter_mib << 20)
+            worker = pd.DecodeWorker(cfg, memory, backend=backend, context=ctx, on_finished=done)
         thread = pd.WorkerThread(worker, name=f"{role}{r}").start()
         side.ranks.append(_Rank(r, lay, backend, buf, worker, thread))
 

@@ -1,12 +1,9 @@
 """The request benchmark's hybrid model in real memory: layout, content, verification.
 
-The model is the planner benchmark's (``benchmarks/planner.py``): page 64; 64 KV layers of 8 KV
-heads x 128 bf16 dims (256 B per head and token); 48 Mamba layers (conv q|k|v 2048|2048|4096
-channels x 3 taps bf16, temporal 32 heads x 128 x 128 fp32); SWA (16 layers, window 4096 tokens,
-K/V head-sharded like KV); DSA indexer (64 layers, replicated, 132 B per token); one 4 KiB aux
-item. Here every rank's pools are real host memory sized to the request (plus a little slack, so
-that untouched pages exist), carved out of one buffer the transfer backend allocated, in the
-planner's region order.
+The model is the planner benchmark's (``benchmarks/planner.py``; :class:`Model`'s defaults). Here
+every rank's pools are real host memory sized to the request (plus a little slack, so that
+untouched pages exist), carved out of one buffer the transfer backend allocated, in the planner's
+region order.
 
 Content: every cache tensor has one *full* (unsharded) logical value per layer, defined by a
 splitmix64 hash of each 8-byte word's position XOR a per-(tensor, layer) constant. Each rank's
@@ -169,16 +166,16 @@ class RankLayout:
         self.conv_axis = m.conv_channels // tp
         self.temporal_axis = m.temporal_heads // tp
         self.dsa_item = m.page * m.dsa_token_bytes
-        specs: list[tuple[str, int, int, int]] = []  # tensor, layers, items, item bytes
-        specs += [
+        specs = [  # tensor, layers, items, item bytes
             ("kv.k", m.layers, pools.pages, self.kv_item),
             ("kv.v", m.layers, pools.pages, self.kv_item),
+            ("conv", m.mamba_layers, pools.slots, self.conv_axis * m.conv_unit),
+            ("temporal", m.mamba_layers, pools.slots, self.temporal_axis * m.temporal_unit),
+            ("swa.k", m.swa_layers, pools.swa_pages, self.kv_item),
+            ("swa.v", m.swa_layers, pools.swa_pages, self.kv_item),
+            ("dsa", m.dsa_layers, pools.pages, self.dsa_item),
+            ("aux", 1, pools.aux_items, m.aux_item),
         ]
-        specs += [("conv", m.mamba_layers, pools.slots, self.conv_axis * m.conv_unit)]
-        specs += [("temporal", m.mamba_layers, pools.slots, self.temporal_axis * m.temporal_unit)]
-        specs += [("swa.k", m.swa_layers, pools.swa_pages, self.kv_item)]
-        specs += [("swa.v", m.swa_layers, pools.swa_pages, self.kv_item)]
-        specs += [("dsa", m.dsa_layers, pools.pages, self.dsa_item), ("aux", 1, pools.aux_items, m.aux_item)]
         self.buffers: list[Buffer] = []
         offset = 0
         for tensor, layers, items, item in specs:

@@ -17,22 +17,13 @@ import os
 import time
 
 import numpy as np
-from _common import arguments, load, machine, median_s, single_host
+from _common import arguments, load, machine, median_s, rows_table, single_host
 from pdwire.runtime.backends import available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable, Region
 from pdwire.runtime.staging import HostCopier
 
 ROWS = (256, 1024, 4096, 16384)
 LENGTHS = (512, 4096, 32768)
-
-
-def _table(src: int, dst: int, rows: int, length: int, seed: int = 0) -> DescriptorTable:
-    s = np.arange(rows, dtype=np.uint64) * np.uint64(2 * length)
-    d = np.random.default_rng(seed).permutation(rows).astype(np.uint64) * np.uint64(2 * length)
-    z = np.zeros(rows, np.uint32)
-    return DescriptorTable(
-        s + np.uint64(src), d + np.uint64(dst), np.full(rows, length, np.uint64), z, z.copy()
-    )
 
 
 def _fit(samples: list[tuple[int, int, float]]) -> tuple[np.ndarray, float]:
@@ -60,7 +51,9 @@ def engine(name: str, repeats: int) -> tuple[np.ndarray, float]:
             for rows in ROWS:
                 if rows * length * 2 > size:
                     continue
-                table = _table(sa.address, sb.address, rows, length)
+                table = rows_table(
+                    sa.address, sb.address, rows, length, (2 * length, 2 * length), scatter=True
+                )
 
                 def transfer(table: DescriptorTable = table) -> None:
                     h = a.post(peer, table, b"x")
@@ -87,10 +80,8 @@ def host_copy(repeats: int) -> tuple[np.ndarray, float]:
     samples = []
     for length in LENGTHS:
         for rows in ROWS:
-            s = np.arange(rows, dtype=np.uint64) * np.uint64(2 * length) + np.uint64(regions[0].base)
-            d = np.arange(rows, dtype=np.uint64) * np.uint64(length) + np.uint64(regions[1].base)
-            table = DescriptorTable(
-                s, d, np.full(rows, length, np.uint64), np.zeros(rows, np.uint32), np.ones(rows, np.uint32)
+            table = rows_table(
+                regions[0].base, regions[1].base, rows, length, (2 * length, length), dst_region=1
             )
             samples.append((rows, length, median_s(lambda t=table: copier.copy(t), repeats, warmup=1)))
     return _fit(samples)

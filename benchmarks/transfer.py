@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from _common import arguments, head, load, machine, single_host, table_row
+from _common import arguments, head, load, machine, rows_table, single_host, table_row
 from pdwire.runtime.backends import Backend, available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 
@@ -45,19 +45,6 @@ CASES = (
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "nixl-shm": ("nixl", {"ucx_params": {"ucx_error_handling_mode": "none"}}),
 }
-
-
-def _table(src_base: int, dst_base: int, nbytes: int, desc: int, scatter: bool) -> DescriptorTable:
-    n = nbytes // desc
-    offs = np.arange(n, dtype=np.uint64) * np.uint64(desc)
-    dst_offs = np.random.default_rng(0).permutation(offs) if scatter else offs
-    return DescriptorTable(
-        offs + np.uint64(src_base),
-        dst_offs + np.uint64(dst_base),
-        np.full(n, desc, dtype=np.uint64),
-        np.zeros(n, dtype=np.uint32),
-        np.zeros(n, dtype=np.uint32),
-    )
 
 
 def _fill(arr: npt.NDArray[np.uint8]) -> None:
@@ -126,7 +113,7 @@ def backend_seconds(
         _fill(src.array)
         a.register([src.region()])
         peer = a.add_peer(md)
-        table = _table(src.address, dst_base, nbytes, desc, scatter)
+        table = rows_table(src.address, dst_base, nbytes // desc, desc, (desc, desc), scatter)
         times, copies = [], []
         one, other = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # pre-faulted: ones written
         for i in range(repeats + 1):  # the first run warms connections up and is dropped
