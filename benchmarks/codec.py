@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pdwire.wire as w
-from _common import codec_arguments, head, interleaved_us, machine, reference_loop, reference_text, table_row
+from _common import codec_arguments, interleaved_us, machine, reference_loop, reference_text, table_row
 from baseline_frames import (
     ascii_int,
     native_u64,
@@ -292,6 +292,10 @@ def frames_bytes(frames: list[Any]) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
+TABLE_HEAD = (
+    "| message | codec | encode µs | decode µs | enc+dec µs | fastest enc+dec µs | speed-up | bytes on wire "
+    "| frames |\n|---|---|---|---|---|---|---|---|---|"
+)
 Case = tuple[str, str, Callable[[], list[Any]], Callable[[list[bytes]], object]]
 
 
@@ -328,39 +332,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(machine_line(args.repeat, args.timer, load, runs[("reference", "", "")]))
     print()
-    print(
-        head(
-            "message",
-            "codec",
-            "encode µs",
-            "decode µs",
-            "enc+dec µs",
-            "fastest enc+dec µs",
-            "speed-up",
-            "bytes on wire",
-            "frames",
-        )
-    )
+    print(TABLE_HEAD)
     for name, codec, _, _ in cases:
         e, d = (statistics.median(runs[(name, codec, op)]) for op in ("encode", "decode"))
-        median = statistics.median(both[(name, codec)])
+        median, fastest = statistics.median(both[(name, codec)]), min(both[(name, codec)])
         speed = statistics.median(both[(name, "baseline")]) / median
         frames = received[(name, codec)]
-        print(
-            table_row(
-                [
-                    name,
-                    codec,
-                    f"{e:.2f}",
-                    f"{d:.2f}",
-                    f"{median:.2f}",
-                    f"{min(both[(name, codec)]):.2f}",
-                    f"{speed:.1f}x",
-                    sum(len(f) for f in frames),
-                    len(frames),
-                ]
-            )
-        )
+        cells = [f"{x:.2f}" for x in (e, d, median, fastest)]
+        print(table_row([name, codec, *cells, f"{speed:.1f}x", sum(len(f) for f in frames), len(frames)]))
     # the target's ratio, round by round: both rows were timed side by side in each round, so
     # the ratio holds still while this VM's phases move every row together
     pairs = zip(both[("TransferRequest", "pdwire")], both[("TransferRequest", "floor")], strict=True)
@@ -372,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     median = statistics.median(ratios)
     print(f"\nTransferRequest enc+dec, pdwire / floor per round: median {median:.2f}x{spread}")
     if args.sglang:  # SGLang wire profile rows: generated pdwire.wire.sglang vs hand-written frame code
-        from codec_sglang import TABLE_HEAD
+        from codec_sglang import TABLE_HEAD as SGLANG_HEAD
         from codec_sglang import run as sglang_rows
 
-        print("\n".join(["", TABLE_HEAD, *sglang_rows(args.repeat, args.quick, args.timer)[0]]))
+        print("\n".join(["", SGLANG_HEAD, *sglang_rows(args.repeat, args.quick, args.timer)[0]]))
     return 0
 
 

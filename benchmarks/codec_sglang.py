@@ -275,11 +275,8 @@ def run(repeat: int, quick: bool, timer: str = "wall") -> tuple[list[str], list[
         base = sum(cells["hand-written"])
         for codec, (e, d) in cells.items():
             speed = f"{base / (e + d):.1f}x"
-            rows.append(
-                table_row(
-                    [f"sglang {name}", codec, f"{e:.2f}", f"{d:.2f}", f"{e + d:.2f}", speed, *sizes[name]]
-                )
-            )
+            cells = [f"sglang {name}", codec, f"{e:.2f}", f"{d:.2f}", f"{e + d:.2f}", speed, *sizes[name]]
+            rows.append(table_row(cells))
     return rows, runs[("reference", "", "")]
 
 

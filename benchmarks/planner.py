@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from _common import arguments, head, machine, median_s, table_row
+from _common import arguments, head, machine, median_s
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     AuxBuffer,
@@ -326,19 +326,9 @@ def main() -> None:
         counts = result.counts()
         total = result.descriptor_count
         print(
-            table_row(
-                [
-                    f"P={p_tp} -> D={d_tp}",
-                    "vllm" if vllm else layout.value,
-                    total,
-                    counts["kv"],
-                    counts["state"],
-                    f"{planner_s * 1e3:.2f}",
-                    f"{loop_s * 1e3:.1f}",
-                    f"{loop_s / planner_s:.0f}x",
-                    f"{total / planner_s / 1e6:.1f}",
-                ]
-            )
+            f"| P={p_tp} -> D={d_tp} | {'vllm' if vllm else layout.value} | {total} | {counts['kv']} | "
+            f"{counts['state']} | {planner_s * 1e3:.2f} | {loop_s * 1e3:.1f} | {loop_s / planner_s:.0f}x | "
+            f"{total / planner_s / 1e6:.1f} |"
         )
 
 

@@ -43,7 +43,7 @@ from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, generate_directo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # request_model when imported by tests
 
-from _common import arguments, head, load, machine, median_s, single_host
+from _common import arguments, load, machine, median_s, single_host
 from request_model import (
     Content,
     Model,
@@ -503,23 +503,10 @@ def _row(r: Result) -> str:
     )
 
 
-HEADER = head(
-    "backend",
-    "case",
-    "layout",
-    "tokens",
-    "ranks",
-    "bytes",
-    "descriptors",
-    "staging",
-    "engine rows",
-    "posts",
-    "request ms p50 (min-max)",
-    "memcpy ms",
-    "x memcpy",
-    "planner ms",
-    "verified",
-    "load",
+HEADER = (
+    "| backend | case | layout | tokens | ranks | bytes | descriptors | staging | engine rows | posts | "
+    "request ms p50 (min-max) | memcpy ms | x memcpy | planner ms | verified | load |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

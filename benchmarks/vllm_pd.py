@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from _common import arguments, head, load, machine, table_row
+from _common import arguments, load, machine, table_row
 from pdwire.runtime.control_auth import ENV_KEYS, generate_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine harness is test tooling
@@ -150,15 +150,9 @@ def main() -> int:
     )
     print()
     print(
-        head(
-            "connector",
-            "decode TTFT ms (median)",
-            "transfer ms (median)",
-            "bytes / request",
-            "descriptors / request",
-            f"tokens = {first}",
-            "external prompt tokens",
-        )
+        "| connector | decode TTFT ms (median) | transfer ms (median) | bytes / request "
+        f"| descriptors / request | tokens = {first} | external prompt tokens |\n"
+        "|---|---|---|---|---|---|---|"
     )
     for c in names:
         r = rows[c]
