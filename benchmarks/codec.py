@@ -181,37 +181,18 @@ def register_content() -> tuple[w.RegisterInfo, dict[str, Any]]:
 def register_raw(m: w.RegisterInfo) -> dict[str, Any]:
     """The same content as ``m`` in the Python lists and ints today's senders hold."""
     comps = m.state_components
-    return {
-        "endpoint": m.endpoint,
-        "engine_id": m.engine_id,
-        "agent_name": m.agent_name,
-        "agent_metadata": m.agent_metadata,
-        "geometry": {g: getattr(m.geometry, g) for g in _GEOMETRY},
-        "first_layer": m.first_layer,
-        "num_layers": m.num_layers,
-        "k_ptrs": m.k_base_addrs.tolist(),
-        "v_ptrs": m.v_base_addrs.tolist(),
-        "bytes_per_page": m.bytes_per_page.tolist(),
-        "region_lens": m.region_lens.tolist(),
-        "aux_ptrs": m.aux_base_addrs.tolist(),
-        "aux_lens": m.aux_lens.tolist(),
-        "aux_item_lens": m.aux_item_lens.tolist(),
-        "num_pages": m.num_pages,
-        "page_size": m.page_size,
-        "kv_layout": int(m.kv_layout),
-        "kv_heads_per_rank": m.kv_heads_per_rank,
-        "kv_heads_total": m.kv_heads_total,
-        "bytes_per_head": m.bytes_per_head,
-        "is_mla": m.is_mla,
-        "kv_mem_descs": list(m.kv_mem_descs),
-        "state_types": [int(c.type) for c in comps],
-        "state_ptrs": [c.base_addrs.tolist() for c in comps],
-        "state_region_lens": [c.region_lens.tolist() for c in comps],
-        "state_item_lens": [c.bytes_per_slot.tolist() for c in comps],
-        "state_dims": [c.shard_axis_sizes.tolist() for c in comps],
-        "state_sub_blocks": [[b.tolist() for b in c.sub_blocks] for c in comps],
-        "state_mem_descs": [list(c.mem_descs) for c in comps],
-    }
+    fields = ("endpoint", "engine_id", "agent_name", "agent_metadata", "first_layer", "num_layers", "is_mla")
+    raw = {k: getattr(m, k) for k in fields} | {k: int(getattr(m, k)) for k in _REG_INTS}
+    raw["geometry"] = {g: getattr(m.geometry, g) for g in _GEOMETRY}
+    arrays = ("k_base_addrs", "v_base_addrs", "bytes_per_page", "region_lens", "aux_base_addrs", "aux_lens")
+    raw |= {k: getattr(m, a).tolist() for k, a in zip(_REG_PTRS, (*arrays, "aux_item_lens"), strict=True)}
+    raw["kv_mem_descs"] = list(m.kv_mem_descs)
+    raw["state_types"] = [int(c.type) for c in comps]
+    per_comp = ("base_addrs", "region_lens", "bytes_per_slot", "shard_axis_sizes")
+    raw |= {k: [getattr(c, a).tolist() for c in comps] for k, a in zip(_STATE_LISTS, per_comp, strict=True)}
+    raw["state_sub_blocks"] = [[b.tolist() for b in c.sub_blocks] for c in comps]
+    raw["state_mem_descs"] = [list(c.mem_descs) for c in comps]
+    return raw
 
 
 def request_content() -> tuple[w.TransferRequest, dict[str, Any]]:
