@@ -39,7 +39,6 @@ room that needs a live rank registering again after its revocation waits inside 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,16 +51,13 @@ from pdwire.runtime.planner import RankMemory
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.failures import HandshakeError
-from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import Copier
-from pdwire.runtime.workers.backoff import PollBackoff
-from pdwire.runtime.workers.curve import resolve
 from pdwire.runtime.workers.decode_links import PREFILL_MAX_MESSAGE, DecodeLinks, DecodeStats, PrefillGroup
 from pdwire.runtime.workers.decode_rooms import DecodeRooms, OnFinished, OnSlotsReleased
 from pdwire.runtime.workers.scatter import ScatterReceiver
-from pdwire.runtime.workers.setup import owned_backend, register_memory
+from pdwire.runtime.workers.setup import RankEdge, register_memory
 
 from pdwire import wire
 
@@ -70,7 +66,7 @@ __all__ = ["PREFILL_MAX_MESSAGE", "DecodeStats", "DecodeWorker", "OnConnected", 
 OnConnected = Callable[[PrefillGroup], None]
 
 
-class DecodeWorker:
+class DecodeWorker(RankEdge):
     """One decode rank. Not thread-safe: call it from one thread (or use :class:`.WorkerThread`).
 
     ``backend`` and ``context`` as for :class:`~.prefill.PrefillWorker`. ``copier``: copies staged
@@ -93,29 +89,21 @@ class DecodeWorker:
     ) -> None:
         if memory.kv is None:
             raise ConfigError("a decode rank's memory needs a KV pool (memory.kv is None)")
-        self.config = config
-        self.memory = memory
-        self.auth = resolve(config)  # None: an unauthenticated control plane, as explicitly asked
-        identity = Identity(wire.Role.DECODE, config.engine_id, config.rank, config.model, config.versions)
-        self.hello = identity.hello()
-        self.backend, self._owns_backend = owned_backend(config, "decode", backend)
+        super().__init__(config, memory, wire.Role.DECODE, backend, context)
+        self.config: DecodeConfig = config
         try:
             register_memory(self.backend, memory, config.rank)
             # after the planner's regions: every peer gets a revocable window onto it too
             scatter = ScatterReceiver(self.backend, memory, config.scatter_bytes, copier)
         except BaseException:
-            if self._owns_backend:
-                self.backend.close()
+            self._close_edge()
             raise
-        self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context()
-        self._owns_ctx = context is None
         self.session = DecodeSession(
             config.room_timeout_s,
             fence_timeout_s=config.fence_timeout_s,
             status_completes=not self.backend.notifications_reliable,
         )
         self.stats = DecodeStats()
-        self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
         self.links = DecodeLinks(
             config, memory, self.hello, self.backend, self._ctx, self.auth, self.session, scatter,
             self.stats, self.poller,
@@ -126,11 +114,7 @@ class DecodeWorker:
         self.on_finished = on_finished
         self.on_slots_released = on_slots_released
         self.on_connected = on_connected
-        self._wake_fds = self.backend.wakeup_fds() if self.backend.wakes_on_notification else ()
-        for fd in self._wake_fds:  # the engine says when a notification may have arrived
-            self.poller.register(fd, zmq.POLLIN)
-        self._backoff = PollBackoff()
-        self._closed = False
+        self._wake_on(self.backend.wakes_on_notification)  # when a notification may have arrived
 
     # the engine's callbacks, kept by the part that calls them (settable at any time)
     @property
@@ -288,9 +272,7 @@ class DecodeWorker:
             self.rooms.report_refused()
             timeout_ms = 0
         # with rooms live, engine notifications may come at any time
-        events = self._backoff.wait(self.poller, timeout_ms, bool(self.session.rooms), bool(self._wake_fds))
-        if self._wake_fds and any(events.get(fd) for fd in self._wake_fds):
-            self.backend.clear_wakeups()  # before receiving: a later notification wakes again
+        events = self._wait(timeout_ms, bool(self.session.rooms))
         self.links.on_poll(events)
         notes = self.backend.receive_notifications()
         if events or notes:
@@ -312,16 +294,4 @@ class DecodeWorker:
             return
         self._closed = True
         self.links.close()
-        for fd in self._wake_fds:
-            with contextlib.suppress(KeyError):
-                self.poller.unregister(fd)
-        if self._owns_backend:
-            self.backend.close()
-        if self._owns_ctx:
-            self._ctx.term()
-
-    def __enter__(self) -> DecodeWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close_edge()

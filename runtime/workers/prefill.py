@@ -24,7 +24,6 @@ for that (see :mod:`pdwire.runtime.session.prefill_room`).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,23 +66,20 @@ from pdwire.runtime.session.events import (
     Send,
 )
 from pdwire.runtime.session.failures import Failure, FailureKind
-from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.session.merging import group_posts, runs
 from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillLocal
 from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import Copier, CopyError, CostModel, Mode
-from pdwire.runtime.workers.backoff import PollBackoff
 from pdwire.runtime.workers.curve import (
     HANDSHAKE_EVENTS,
     ZapHandler,
     log_refusal,
     report_refusal,
-    resolve,
     serve_curve,
 )
 from pdwire.runtime.workers.failure_log import FailureLog, log
-from pdwire.runtime.workers.setup import owned_backend, register_memory
+from pdwire.runtime.workers.setup import RankEdge, register_memory
 from pdwire.runtime.workers.staging import Stager
 from zmq.utils.monitor import recv_monitor_message
 
@@ -146,7 +142,7 @@ class _Waiting:
     notification: bytes
 
 
-class PrefillWorker:
+class PrefillWorker(RankEdge):
     """One prefill rank. Not thread-safe: call it from one thread (or use :class:`.WorkerThread`).
 
     ``backend``: a backend the engine created (and allocated its memory from); the worker
@@ -169,14 +165,8 @@ class PrefillWorker:
         cost_model: CostModel | None = None,
         copier: Copier | None = None,
     ) -> None:
-        self.config = config
-        self.memory = memory
-        self.auth = resolve(config)  # None: an unauthenticated control plane, as explicitly asked
-        identity = Identity(wire.Role.PREFILL, config.engine_id, config.rank, config.model, config.versions)
-        self.hello = identity.hello()
-        self.backend, self._owns_backend = owned_backend(config, "prefill", backend)
-        self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context()
-        self._owns_ctx = context is None
+        super().__init__(config, memory, wire.Role.PREFILL, backend, context)
+        self.config: PrefillConfig = config
         self.sock = self._ctx.socket(zmq.ROUTER)
         self._zap: tuple[ZapHandler, str] | None = None
         try:
@@ -205,22 +195,15 @@ class PrefillWorker:
             self.sock.close(0)
             if self._zap is not None:
                 self._zap[0].detach(self._zap[1])
-            if self._owns_ctx:
-                self._ctx.term()
-            if self._owns_backend:
-                self.backend.close()
+            self._close_edge()
             raise
         self.bound = str(bind.with_port(port))
         self.endpoint = config.advertised(port)  # what decode ranks connect to
-        self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
         self.poller.register(self.sock, zmq.POLLIN)
-        self._wake_fds = self.backend.wakeup_fds() if self.backend.wakes_on_completion else ()
-        for fd in self._wake_fds:  # the engine says when a transfer may be final: wait on it
-            self.poller.register(fd, zmq.POLLIN)
+        self._wake_on(self.backend.wakes_on_completion)  # when a transfer may be final
         # handshakes libzmq refused (no CURVE, an unknown key, garbage): logged and counted here
         self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self.poller.register(self._monitor, zmq.POLLIN)
-        self._backoff = PollBackoff()
         self.session = PrefillSession(config.room_timeout_s)
         self.sender_rank = config.rank.sender_rank
         self.on_released = on_released
@@ -242,7 +225,6 @@ class PrefillWorker:
         # separating control-plane time from transfer time in benchmarks; the newest SPANS_KEPT
         # rooms only, so a long-running rank does not grow with every request it served
         self.spans: dict[int, list[float]] = {}
-        self._closed = False
 
     # ------------------------------------------------------------------ engine side
 
@@ -334,12 +316,9 @@ class PrefillWorker:
             # Deadlines first: after a stall (the process stopped or starved) rooms that expired
             # meanwhile fail before any message that arrived during it can make them post.
             self._run(self.session.on_tick(time.monotonic()))
-        if self._done_now:
-            events = dict(self.poller.poll(0))
-        else:  # with transfers in flight, completions may come at any time
-            events = self._backoff.wait(self.poller, timeout_ms, bool(self._handles), bool(self._wake_fds))
-        if self._wake_fds and any(events.get(fd) for fd in self._wake_fds):
-            self.backend.clear_wakeups()  # before looking at the engine: later news wakes again
+        # with transfers in flight, completions may come at any time; parts done without the
+        # engine are accounted at once
+        events = self._wait(timeout_ms, bool(self._handles), at_once=bool(self._done_now))
         if events.get(self.sock):
             self._drain()
         if events.get(self._monitor):
@@ -458,24 +437,12 @@ class PrefillWorker:
         self._riders.clear()
         self._lead_of.clear()
         self._waiting.clear()
-        for fd in self._wake_fds:
-            with contextlib.suppress(KeyError):
-                self.poller.unregister(fd)
         self.sock.disable_monitor()
         self._monitor.close(0)
         self.sock.close(0)
         if self._zap is not None:
             self._zap[0].detach(self._zap[1])
-        if self._owns_backend:
-            self.backend.close()
-        if self._owns_ctx:
-            self._ctx.term()
-
-    def __enter__(self) -> PrefillWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close_edge()
 
     # ------------------------------------------------------------------ connection events
 

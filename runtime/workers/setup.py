@@ -1,12 +1,81 @@
-"""What both workers do before their first message: get a backend and register the rank's memory."""
+"""What both workers share: the edge around their pure core (:class:`RankEdge`), and what they
+do before their first message: get a backend and register the rank's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any, Self
 
+import zmq
 from pdwire.runtime.backends import Backend, create_backend
 from pdwire.runtime.config import ConfigError, ParallelRank, WorkerConfig
 from pdwire.runtime.planner import PlanError, RankMemory, regions
+from pdwire.runtime.session.hello import Identity
+from pdwire.runtime.workers.backoff import PollBackoff
+from pdwire.runtime.workers.curve import resolve
+
+from pdwire import wire
+
+
+class RankEdge:
+    """One rank's config, memory and Hello, its backend and ZMQ context (closed with the worker
+    when it made them), the poller (with the engine's wake-up fds) and the poll loop's back-off."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        memory: RankMemory,
+        role: wire.Role,
+        backend: Backend | None,
+        context: zmq.Context[Any] | None,
+    ) -> None:
+        self.config = config
+        self.memory = memory
+        self.auth = resolve(config)  # None: an unauthenticated control plane, as explicitly asked
+        self.hello = Identity(role, config.engine_id, config.rank, config.model, config.versions).hello()
+        self.backend, self._owns_backend = owned_backend(config, role.name.lower(), backend)
+        self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context()
+        self._owns_ctx = context is None
+        self.poller = zmq.Poller()  # the driver may register its own sockets or fds here too
+        self._wake_fds: tuple[int, ...] = ()
+        self._backoff = PollBackoff()
+        self._closed = False
+
+    def _wake_on(self, wakes: bool) -> None:
+        """Wait in the poller on the engine's wake-up fds, if it ``wakes`` for this rank's news."""
+        self._wake_fds = self.backend.wakeup_fds() if wakes else ()
+        for fd in self._wake_fds:
+            self.poller.register(fd, zmq.POLLIN)
+
+    def _wait(self, timeout_ms: int, busy: bool, at_once: bool = False) -> dict[Any, int]:
+        """One poll of the loop (see :meth:`.PollBackoff.wait`; ``at_once``: without waiting);
+        the engine's wake-ups drained."""
+        if at_once:
+            events = dict(self.poller.poll(0))
+        else:
+            events = self._backoff.wait(self.poller, timeout_ms, busy, bool(self._wake_fds))
+        if self._wake_fds and any(events.get(fd) for fd in self._wake_fds):
+            self.backend.clear_wakeups()  # before looking at the engine: later news wakes again
+        return events
+
+    def _close_edge(self) -> None:
+        for fd in self._wake_fds:
+            with contextlib.suppress(KeyError):
+                self.poller.unregister(fd)
+        if self._owns_backend:
+            self.backend.close()
+        if self._owns_ctx:
+            self._ctx.term()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def owned_backend(config: WorkerConfig, role: str, backend: Backend | None) -> tuple[Backend, bool]:
