@@ -4,15 +4,9 @@
 
     pdwire serve prefill --engine-id prefill-a --tp 2 --bind 0.0.0.0:17000 --advertise 10.0.0.1 \\
         --backend mooncake --discovery etcd://10.0.0.5:2379/pdwire
-    pdwire serve decode --engine-id decode-a --tp 4 --advertise 10.0.0.2 \\
-        --backend mooncake --discovery etcd://10.0.0.5:2379/pdwire --admin /run/pdwire/decode-a.sock
 
-Settings come from ``--config FILE`` (YAML), the environment (``PDWIRE_DISCOVERY``,
-``PDWIRE_BACKEND_OPTIONS``, ``PDWIRE_BIND``, ``PDWIRE_ADVERTISE``) and flags, flags winning
-(:mod:`.config`). Logs go to stderr, one line per event. SIGTERM or SIGINT stops cleanly:
-withdraw from discovery, abort live rooms, wait until no transfer is in flight and every
-slot is released (bounded), close the backends (their shared-memory files with them); a
-second SIGINT exits at once (a repeated SIGTERM does not: supervisors often signal twice).
+Settings: :mod:`.config`; the clean stop on SIGTERM or SIGINT: docs/deployment.md. A second
+SIGINT exits at once (a repeated SIGTERM does not: supervisors often signal twice).
 """
 
 from __future__ import annotations
@@ -22,23 +16,39 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import fields
 from typing import Any
 
-from pdwire.serve.config import ServeConfig, ServeConfigError, build_config, load_file
+from pdwire.serve.config import MemorySettings, ServeConfig, ServeConfigError, build_config, load_file
 
-_MEMORY_FLAGS = (
-    "model",
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "page_size",
-    "mla",
-    "pages",
-    "slots",
-    "swa_pages",
-    "aux_items",
-    "seed",
-)
+# (flag, the setting it sets, type (None: a switch), help); the settings are ServeConfig's fields
+_FLAGS: tuple[tuple[str, str, type | None, str | None], ...] = (
+    ("--engine-id", "engine_id", str, "the engine these ranks belong to"),
+    ("--tp", "tp", int, "the engine's TP size (default 1)"),
+    ("--ranks", "ranks", str, "prefill: the TP ranks this process runs, e.g. 0,1 (default all)"),
+    ("--backend", "backend", str, "transfer engine: nixl, mooncake, local (default nixl when it imports)"),
+    ("--bind", "bind", str,
+     "HOST[:PORT] the control sockets bind (rank r: PORT + r; 0: any; env PDWIRE_BIND)"),
+    ("--advertise", "advertise", str,
+     "HOST[:PORT] peers connect to (env PDWIRE_ADVERTISE; default: the bind host)"),
+    ("--discovery", "discovery", str,
+     "etcd://HOST:PORT[/PREFIX][?ttl=S] or static:FILE (env PDWIRE_DISCOVERY)"),
+    ("--room-timeout", "room_timeout_s", float, "seconds a room may take (default 30)"),
+    ("--transfer-timeout", "transfer_timeout_s", float, "seconds one transfer may take"),
+    ("--handshake-timeout", "handshake_timeout_s", float, "decode: seconds per handshake"),
+    ("--chunk-pages", "chunk_pages", int, "prefill: pages per chunked-prefill chunk"),
+    ("--admin", "admin", str, "decode: UNIX socket path for status/run/stop commands (JSON)"),
+    ("--requests", "requests", int, "decode: run this many requests once a prefill engine is connected"),
+    ("--min-tokens", "min_tokens", int, None),
+    ("--max-tokens", "max_tokens", int, None),
+    ("--exit-after", "exit_after", None, "decode: stop after --requests"),
+    ("--log-level", "log_level", str, "debug, info (default), warning, error"),
+    ("--control-keys", "control_keys", str,
+     "the control plane's key directory (`pdwire keys generate DIR`; env PDWIRE_CONTROL_KEYS)"),
+    ("--insecure-control", "insecure_control", None,
+     "run the control plane unauthenticated (no CURVE): any process reaching a port is a peer"),
+)  # fmt: skip
+_MEMORY_FLAGS = tuple(f.name for f in fields(MemorySettings))
 
 
 def register(subparsers: Any) -> None:
@@ -49,100 +59,37 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("role", choices=("prefill", "decode"))
     p.add_argument("--config", help="YAML file with any of the settings below (flags win)")
-    p.add_argument("--engine-id", dest="engine_id", help="the engine these ranks belong to")
-    p.add_argument("--tp", type=int, help="the engine's TP size (default 1)")
-    p.add_argument("--ranks", help="prefill: the TP ranks this process runs, e.g. 0,1 (default all)")
-    p.add_argument("--backend", help="transfer engine: nixl, mooncake, local (default nixl when it imports)")
+    for flag, dest, kind, text in _FLAGS:
+        if kind is None:
+            p.add_argument(flag, dest=dest, action="store_const", const=True, help=text)
+        else:
+            p.add_argument(flag, dest=dest, type=kind, help=text)
     p.add_argument(
         "--backend-option", action="append", default=[], metavar="NAME=VALUE",
         help="a backend option (repeatable; see --list-backend-options)",
     )  # fmt: skip
     p.add_argument("--list-backend-options", action="store_true", help="print the backend's options and exit")
     p.add_argument(
-        "--bind", help="HOST[:PORT] the control sockets bind (rank r: PORT + r; 0: any; env PDWIRE_BIND)"
-    )
-    p.add_argument(
-        "--advertise", help="HOST[:PORT] peers connect to (env PDWIRE_ADVERTISE; default: the bind host)"
-    )
-    p.add_argument(
-        "--discovery", help="etcd://HOST:PORT[/PREFIX][?ttl=S] or static:FILE (env PDWIRE_DISCOVERY)"
-    )
-    p.add_argument(
         "--prefill", action="append", metavar="ENGINE=tcp://H:P[,tcp://H:P]",
         help="decode without a registry: a prefill engine's control endpoints by TP rank (repeatable)",
     )  # fmt: skip
-    p.add_argument(
-        "--room-timeout", dest="room_timeout_s", type=float, help="seconds a room may take (default 30)"
-    )
-    p.add_argument(
-        "--transfer-timeout", dest="transfer_timeout_s", type=float, help="seconds one transfer may take"
-    )
-    p.add_argument(
-        "--handshake-timeout", dest="handshake_timeout_s", type=float, help="decode: seconds per handshake"
-    )
-    p.add_argument(
-        "--chunk-pages", dest="chunk_pages", type=int, help="prefill: pages per chunked-prefill chunk"
-    )
-    p.add_argument("--admin", help="decode: UNIX socket path for status/run/stop commands (JSON)")
-    p.add_argument(
-        "--requests", type=int, help="decode: run this many requests once a prefill engine is connected"
-    )
-    p.add_argument("--min-tokens", dest="min_tokens", type=int)
-    p.add_argument("--max-tokens", dest="max_tokens", type=int)
-    p.add_argument(
-        "--exit-after",
-        dest="exit_after",
-        action="store_const",
-        const=True,
-        help="decode: stop after --requests",
-    )
-    p.add_argument("--log-level", dest="log_level", help="debug, info (default), warning, error")
-    p.add_argument(
-        "--control-keys",
-        dest="control_keys",
-        help="the control plane's key directory (`pdwire keys generate DIR`; env PDWIRE_CONTROL_KEYS)",
-    )
-    p.add_argument(
-        "--insecure-control",
-        dest="insecure_control",
-        action="store_const",
-        const=True,
-        help="run the control plane unauthenticated (no CURVE): any process reaching a port is a peer",
-    )
     m = p.add_argument_group("memory (a registered memory model; `pdwire serve` ships `demo`)")
+    m.add_argument("--memory-model", dest="memory_model", help="the memory model to serve (default demo)")
+    m.add_argument("--mla", dest="memory_mla", action="store_const", const=True, help="MLA model")
+    m.add_argument("--kv-heads", "--heads", dest="memory_kv_heads", type=int, help="KV heads (divide by TP)")
     for name in _MEMORY_FLAGS:
-        flag = "--" + name.replace("_", "-")
-        if name == "model":
-            m.add_argument(
-                "--memory-model", dest="memory_model", help="the memory model to serve (default demo)"
-            )
-        elif name == "mla":
-            m.add_argument(flag, dest=f"memory_{name}", action="store_const", const=True, help="MLA model")
-        elif name == "kv_heads":
-            m.add_argument(flag, "--heads", dest=f"memory_{name}", type=int, help="KV heads (divide by TP)")
-        else:
-            m.add_argument(flag, dest=f"memory_{name}", type=int)
+        if name not in ("model", "mla", "kv_heads"):
+            m.add_argument("--" + name.replace("_", "-"), dest=f"memory_{name}", type=int)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
-    flags = {
-        k: getattr(args, k)
-        for k in (
-            "engine_id", "tp", "ranks", "backend", "bind", "advertise", "discovery", "prefill",
-            "room_timeout_s", "transfer_timeout_s", "handshake_timeout_s", "chunk_pages", "admin",
-            "requests", "min_tokens", "max_tokens", "exit_after", "log_level",
-            "control_keys", "insecure_control",
-        )
-    }  # fmt: skip
-    file = load_file(args.config) if args.config else None
-    memory = {name: getattr(args, f"memory_{name}") for name in _MEMORY_FLAGS}
     return build_config(
         args.role,
-        file=file,
-        flags=flags,
+        file=load_file(args.config) if args.config else None,
+        flags={dest: getattr(args, dest) for _, dest, _, _ in _FLAGS} | {"prefill": args.prefill},
         backend_option_flags=args.backend_option,
-        memory_flags=memory,
+        memory_flags={name: getattr(args, f"memory_{name}") for name in _MEMORY_FLAGS},
         environ=environ,
         file_name=args.config or "config file",
     )

@@ -1,29 +1,7 @@
-"""What ``pdwire serve`` runs, from a config file, the environment and flags. Pure: values
-in, one :class:`ServeConfig` or one :class:`ServeConfigError` naming the setting out.
-
-Precedence: flags over the environment over the file. A config file is YAML with the flags'
-names (``engine_id``, ``bind``, ...), plus two mappings, ``backend_options`` and ``memory``::
-
-    role: prefill
-    engine_id: prefill-a
-    tp: 2
-    backend: nixl
-    backend_options: {transports: tcp}
-    bind: 0.0.0.0:17000          # rank r listens on 17000 + r (port 0 or none: any free port)
-    advertise: 10.0.0.1           # what peers connect to (and the backend's host, see below)
-    discovery: etcd://10.0.0.5:2379/pdwire
-    memory: {model: demo, layers: 4, kv_heads: 8, head_dim: 64, page_size: 16}
-
-Environment: ``PDWIRE_DISCOVERY``, ``PDWIRE_BACKEND_OPTIONS`` (``k=v,k=v``), ``PDWIRE_BIND``,
-``PDWIRE_ADVERTISE``, ``PDWIRE_CONTROL_KEYS``.
-
-The control plane is authenticated with CURVE: ``control_keys`` names the deployment's key
-directory (``pdwire keys generate DIR``); without one a rank refuses to start unless
-``insecure_control: true`` (or ``PDWIRE_INSECURE_CONTROL=1``) says to run it unauthenticated.
-
-The advertised host also gives the backend its host-facing options
-(:func:`~pdwire.runtime.backends.options.host_defaults`: Mooncake's ``hostname``, MoRI's
-``host``, NIXL's ``net_devices``) unless ``backend_options`` names them.
+"""What ``pdwire serve`` runs, from a config file, the environment and flags (docs/deployment.md
+lists the settings). Pure: values in, one :class:`ServeConfig` or one :class:`ServeConfigError`
+naming the setting out. Precedence: flags over the environment over the file; a file is YAML
+with the flags' names plus two mappings, ``backend_options`` and ``memory``.
 """
 
 from __future__ import annotations
@@ -73,9 +51,6 @@ class MemorySettings:
     swa_pages: int = 160
     aux_items: int = 33
     seed: int = 1
-
-
-DemoMemory = MemorySettings  # the name before memory models became pluggable
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,11 @@
 """``pdwire serve decode``: every TP rank of one decode engine in this process.
 
-Discovery tells it which prefill engines exist (:meth:`Membership.complete_groups`): a
-complete group that serves the same model over the same backend is connected (every local
-rank runs the handshake with the prefill ranks its routing names) and becomes *routable*.
-When one of its ranks leaves the registry (stopped, or its lease expired because it died)
-the group stops being routable and its live rooms are aborted, naming the rank; when a rank
-restarts (a new incarnation) the group is connected again. A group whose handshake fails is
-retried with a backoff, its error logged once. A lost registry changes nothing: the last
-view stands.
-
-Requests come in waves (``--requests N`` at start, or ``run`` on the admin socket,
-:mod:`.admin`): each gets a room id carrying its prompt length (:mod:`.ranks`), destination
-slots on every rank, and a prefill engine (round robin over the routable ones); a request
-waits for a routable engine and free memory up to the room timeout. A request succeeds only
-when every rank reported Success and every byte verified against the content derived
-independently from the room id; anything else is a failure with its kind and reason.
-Destination slots are wiped and reused only once the worker releases them (for a failed room:
-once every writer fenced).
+Which prefill groups are routable, and when they stop being so, is docs/deployment.md ("What
+the decode server does with the registry"). Requests come in waves (``--requests N`` at start,
+or ``run`` on the admin socket): each gets a room id carrying its prompt length (:mod:`.ranks`),
+slots on every rank and a routable prefill engine (round robin); it succeeds only when every
+rank reported Success and every byte verified. Slots are wiped and reused only once the worker
+releases them (for a failed room: once every writer fenced).
 """
 
 from __future__ import annotations
@@ -24,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,23 +27,17 @@ from pdwire.runtime import engine as pd
 from pdwire.serve.admin import AdminSocket
 from pdwire.serve.config import ServeConfig
 from pdwire.serve.ranks import (
-    RankParts,
+    Rank,
+    RankServer,
     build_rank,
     common_config,
     model_label,
-    open_memory,
     registry_entry,
     room_id,
 )
 
 log = logging.getLogger("pdwire.serve")
-STATS_EVERY_S = 10.0
-
-
-@dataclass
-class _Rank:
-    parts: RankParts
-    worker: pd.DecodeWorker
+_Rank = Rank[pd.DecodeWorker]
 
 
 @dataclass
@@ -130,12 +112,8 @@ class _Wave:
         }
 
 
-class DecodeServer:
+class DecodeServer(RankServer[_Rank]):
     def __init__(self, cfg: ServeConfig, discovery: Discovery) -> None:
-        self.cfg = cfg
-        self.discovery = discovery
-        self.memory_model = open_memory(cfg)
-        self.ranks: list[_Rank] = []
         self.groups: dict[str, _Group] = {}
         self.live: dict[int, _Request] = {}  # room -> request, until every rank finished it
         self.pending: deque[_Request] = deque()  # waiting for an engine or memory
@@ -144,18 +122,14 @@ class DecodeServer:
         self.counts = {"ok": 0, "failed": 0}
         self._numbers = itertools.count(1)
         self._rr = itertools.count()
-        self._stop = threading.Event()
-        self._exit_status = 0
         self._ctx: zmq.Context[Any] = zmq.Context()
         self.admin: AdminSocket | None = None
         try:
-            for r in range(cfg.tp):
-                self.ranks.append(self._start_rank(r))
-            if cfg.admin:
-                self.admin = AdminSocket(cfg.admin, self._ctx)
+            self.admin = AdminSocket(cfg.admin, self._ctx) if cfg.admin else None
         except BaseException:
-            self._close_all()
+            self._ctx.term()
             raise
+        super().__init__(cfg, discovery, range(cfg.tp))
         self.model = model_label(self.ranks[0].worker.hello.model)
         self.majors = {v.major for v in self.ranks[0].worker.hello.versions}
         for rk in self.ranks:
@@ -215,9 +189,13 @@ class DecodeServer:
                 rk.worker.peer_lost(st.engine_id, reason=f"prefill {st.engine_id}: {why}")
         for req in list(self.live.values()):
             if req.engine_id == st.engine_id:
-                for i, rk in enumerate(self.ranks):
-                    if i not in req.outcome:
-                        rk.worker.abort(req.room, f"prefill {st.engine_id}: {why}")
+                self._abort(req, f"prefill {st.engine_id}: {why}")
+
+    def _abort(self, req: _Request, why: str) -> None:
+        """Abort ``req`` on every rank that has not reported it yet."""
+        for i, rk in enumerate(self.ranks):
+            if i not in req.outcome:
+                rk.worker.abort(req.room, why)
 
     def _reconcile(self, now: float) -> None:
         seen = self.discovery.membership.groups(wire.Role.PREFILL)
@@ -518,24 +496,17 @@ class DecodeServer:
         self._admin()
 
     def serve(self) -> int:
-        """Run until :meth:`stop`; then stop cleanly. The exit status (1: the start-up wave failed)."""
-        last_stats = time.monotonic()
+        """As :meth:`RankServer.serve`; the exit status is 1 when the start-up wave failed."""
         self._reconcile(time.monotonic())
-        while not self._stop.is_set():
-            self.step()
-            if time.monotonic() - last_stats >= STATS_EVERY_S:
-                last_stats = time.monotonic()
-                s = self.status()
-                log.info(
-                    "%d rooms ok, %d failed, %d live, %d waiting; routable prefill: %s",
-                    s["ok"], s["failed"], s["live"], s["pending"],
-                    ", ".join(g.engine_id for g in self._routable()) or "none",
-                )  # fmt: skip
-        self.shutdown()
-        return self._exit_status
+        return super().serve()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def _log_stats(self) -> None:
+        s = self.status()
+        log.info(
+            "%d rooms ok, %d failed, %d live, %d waiting; routable prefill: %s",
+            s["ok"], s["failed"], s["live"], s["pending"],
+            ", ".join(g.engine_id for g in self._routable()) or "none",
+        )  # fmt: skip
 
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Withdraw, fail waiting requests, abort live rooms, wait (bounded) for their slots."""
@@ -544,9 +515,7 @@ class DecodeServer:
         while self.pending:
             self._fail_unstarted(self.pending.popleft(), "aborted", "the decode engine is stopping")
         for req in list(self.live.values()):
-            for i, rk in enumerate(self.ranks):
-                if i not in req.outcome:
-                    rk.worker.abort(req.room, "the decode engine is stopping")
+            self._abort(req, "the decode engine is stopping")
         deadline = time.monotonic() + wait_s
         while (self.live or self.unreleased) and time.monotonic() < deadline:
             for rk in self.ranks:
@@ -558,15 +527,12 @@ class DecodeServer:
         for wave in self.waves:
             if not wave.finished and wave.reply is not None and self.admin is not None:
                 self.admin.reply(wave.reply, {**wave.summary(), "stopped": True})
-        self._close_all()
+        self._close()
         self.discovery.close()
         log.info("stopped: %d rooms ok, %d failed", self.counts["ok"], self.counts["failed"])
 
-    def _close_all(self) -> None:
-        for rk in self.ranks:
-            rk.worker.close()
-            rk.parts.backend.close()
-        self.ranks.clear()
+    def _close(self) -> None:
+        super()._close()
         if self.admin is not None:
             self.admin.close()
             self.admin = None

@@ -1,12 +1,9 @@
 """What ``pdwire serve`` needs of a model's memory, and the registry of models it can serve.
 
-Serve moves a synthetic workload: a request's room id carries its prompt length
-(:mod:`.ranks`), prefill produces content for it, decode checks it on arrival. Everything about
-*which* memory that is (tensors, pools, content, verification) lives behind
-:class:`ServeMemory`, so serve depends on no model: a model registers a factory
-under a name (``memory: {model: NAME}`` in the config) with :func:`register_memory_model`.
-The demo's hybrid model is registered as ``demo`` by the command layer
-(:mod:`pdwire.serve_command`), never from here: the demo depends on serve, not the reverse.
+Serve knows no model: which memory a rank holds (tensors, pools, content, verification) lives
+behind :class:`ServeMemory`, registered under a name (``memory: {model: NAME}``) with
+:func:`register_memory_model`. The command layer (:mod:`pdwire.serve_command`) registers the
+demo's hybrid model as ``demo``: the demo depends on serve, not the reverse.
 """
 
 from __future__ import annotations
@@ -80,22 +77,15 @@ MemoryFactory = Callable[["MemorySettings"], ServeMemory]
 _MODELS: dict[str, MemoryFactory] = {}
 
 
-class UnknownMemoryModel(LookupError):
-    """A ``memory.model`` no registered factory serves."""
-
-
 def register_memory_model(name: str, factory: MemoryFactory) -> None:
     """Make ``memory: {model: name}`` build its memory with ``factory`` (last one wins)."""
     _MODELS[name] = factory
 
 
-def memory_models() -> tuple[str, ...]:
-    return tuple(sorted(_MODELS))
-
-
 def open_memory_model(settings: MemorySettings) -> ServeMemory:
+    """The model ``settings`` name; ValueError naming the registered ones when none is."""
     factory = _MODELS.get(settings.model)
     if factory is None:
-        known = ", ".join(repr(n) for n in memory_models()) or "none registered"
-        raise UnknownMemoryModel(f"memory.model {settings.model!r}: serve knows {known}")
+        known = ", ".join(repr(n) for n in sorted(_MODELS)) or "none registered"
+        raise ValueError(f"memory.model {settings.model!r}: serve knows {known}")
     return factory(settings)

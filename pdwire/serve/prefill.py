@@ -1,21 +1,13 @@
 """``pdwire serve prefill``: the prefill ranks of one engine in this process.
 
-Each rank is a :class:`~pdwire.runtime.engine.PrefillWorker` on its own control endpoint
-(bind / advertise from the config), registered in discovery with that endpoint. When a
-decode rank asks for a room this rank has not produced, the rank produces it from the room
-id (:mod:`.ranks`: prompt length and content) and sends it as chunked prefill would, in
-chunks of ``chunk_pages`` pages, state and aux with the last one. A room that cannot be
-served (no prompt length in its id, no free memory) is aborted, which tells decode why.
-
-Stop (SIGTERM, SIGINT, or :meth:`PrefillServer.stop`): withdraw from discovery first (decode
-stops routing here), abort every live room, step until their transfers stopped and their
-memory is released (bounded), then close workers, backends and discovery.
+A rank asked for a room it has not produced produces it from the room id (:mod:`.ranks`) and
+sends it as chunked prefill would; a room it cannot serve (no prompt length in its id, no free
+memory) is aborted, which tells decode why. The stop is docs/deployment.md's ("Stop").
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,23 +15,13 @@ from typing import Any
 from pdwire.discovery import Discovery
 from pdwire.runtime import engine as pd
 from pdwire.serve.config import ServeConfig
-from pdwire.serve.ranks import (
-    RankParts,
-    build_rank,
-    common_config,
-    open_memory,
-    registry_entry,
-    tokens_of,
-)
+from pdwire.serve.ranks import Rank, RankServer, build_rank, common_config, registry_entry, tokens_of
 
 log = logging.getLogger("pdwire.serve")
-STATS_EVERY_S = 10.0
 
 
 @dataclass
-class _Rank:
-    parts: RankParts
-    worker: pd.PrefillWorker
+class _Rank(Rank[pd.PrefillWorker]):
     held: dict[int, Any] = field(default_factory=dict)  # produced rooms until released
     refused: set[int] = field(default_factory=set)  # aborted before producing: not again
     ok: int = 0
@@ -51,20 +33,10 @@ def _asked_rooms(worker: pd.PrefillWorker) -> list[int]:
     return list(worker.session.rooms)
 
 
-class PrefillServer:
+class PrefillServer(RankServer[_Rank]):
     def __init__(self, cfg: ServeConfig, discovery: Discovery) -> None:
-        self.cfg = cfg
-        self.discovery = discovery
-        self.model = open_memory(cfg)
-        self.ranks: list[_Rank] = []
         self._contents: dict[int, list[Any]] = {}  # room -> [full tensors, ranks that used them]
-        self._stop = threading.Event()
-        try:
-            for r in cfg.local_ranks:
-                self.ranks.append(self._start_rank(r))
-        except BaseException:
-            self._close_ranks()
-            raise
+        super().__init__(cfg, discovery, cfg.local_ranks)
         for rk in self.ranks:
             entry = registry_entry(cfg, rk.parts, rk.worker.hello, rk.worker.endpoint)
             discovery.register(entry)
@@ -76,7 +48,7 @@ class PrefillServer:
 
     def _start_rank(self, tp_rank: int) -> _Rank:
         cfg = self.cfg
-        parts = build_rank(cfg, self.model, tp_rank)
+        parts = build_rank(cfg, self.memory_model, tp_rank)
         holder: list[_Rank] = []
 
         def released(room: int, status: pd.Status, failure: pd.Failure | None) -> None:
@@ -93,7 +65,7 @@ class PrefillServer:
 
         try:
             config = pd.PrefillConfig(
-                **common_config(cfg, self.model, tp_rank),
+                **common_config(cfg, self.memory_model, tp_rank),
                 bind=cfg.rank_bind(tp_rank),
                 advertise=cfg.rank_advertise(tp_rank),
             )
@@ -143,7 +115,7 @@ class PrefillServer:
         """The room's full tensors, generated once for all ranks of this process."""
         entry = self._contents.get(room)
         if entry is None:
-            entry = self._contents[room] = [self.model.content(room, tokens), 0]
+            entry = self._contents[room] = [self.memory_model.content(room, tokens), 0]
         entry[1] += 1
         content = entry[0]
         if entry[1] >= len(self.ranks):
@@ -159,17 +131,6 @@ class PrefillServer:
             self._produce(rk)
         self.discovery.poll()
 
-    def serve(self) -> int:
-        """Run until :meth:`stop` (a signal handler calls it); then stop cleanly. Exit status 0."""
-        last_stats = time.monotonic()
-        while not self._stop.is_set():
-            self.step()
-            if time.monotonic() - last_stats >= STATS_EVERY_S:
-                last_stats = time.monotonic()
-                self._log_stats()
-        self.shutdown()
-        return 0
-
     def _log_stats(self) -> None:
         for rk in self.ranks:
             s = rk.worker.stats
@@ -178,9 +139,6 @@ class PrefillServer:
                     "rank %d: %d rooms sent, %d failed, %d live; %.1f MiB in %d descriptors",
                     rk.parts.tp_rank, rk.ok, rk.failed, len(rk.held), s.bytes_posted / 2**20, s.descriptors,
                 )  # fmt: skip
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def shutdown(self, wait_s: float | None = None) -> None:
         """Withdraw, abort live rooms, wait (bounded) until they are released, close everything."""
@@ -210,12 +168,6 @@ class PrefillServer:
         if left:
             log.warning("%d rooms still had transfers in flight after %.0fs; closing anyway", left, limit)
         self._log_stats()
-        self._close_ranks()
+        self._close()
         self.discovery.close()
         log.info("stopped")
-
-    def _close_ranks(self) -> None:
-        for rk in self.ranks:
-            rk.worker.close()
-            rk.parts.backend.close()
-        self.ranks.clear()

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pdwire import wire
-from pdwire.discovery import Geometry, RankEntry
+from pdwire.discovery import Discovery, Geometry, RankEntry
 from pdwire.runtime import engine as pd
 from pdwire.runtime.backends.options import host_defaults
 from pdwire.runtime.control_auth import ControlAuth
@@ -27,6 +30,7 @@ from pdwire.serve.config import ServeConfig
 from pdwire.serve.memory import ServeMemory, ServeRank, open_memory_model
 
 TOKEN_BITS = 16
+STATS_EVERY_S = 10.0
 
 
 def room_id(n: int, tokens: int) -> int:
@@ -51,6 +55,70 @@ class RankParts:
     incarnation: str
 
 
+W = TypeVar("W", pd.PrefillWorker, pd.DecodeWorker)
+
+
+@dataclass
+class Rank(Generic[W]):
+    parts: RankParts
+    worker: W
+
+
+R = TypeVar("R", bound=Rank[Any])
+
+
+class RankServer(ABC, Generic[R]):
+    """What both servers share: ranks started together (a failure closes those already started),
+    a loop that steps until :meth:`stop` with a stats line every ``STATS_EVERY_S``, then
+    :meth:`shutdown`."""
+
+    def __init__(self, cfg: ServeConfig, discovery: Discovery, tp_ranks: Iterable[int]) -> None:
+        self.cfg = cfg
+        self.discovery = discovery
+        self.memory_model = open_memory(cfg)
+        self.ranks: list[R] = []
+        self._stop = threading.Event()
+        self._exit_status = 0
+        try:
+            for r in tp_ranks:
+                self.ranks.append(self._start_rank(r))
+        except BaseException:
+            self._close()
+            raise
+
+    @abstractmethod
+    def _start_rank(self, tp_rank: int) -> R: ...
+
+    @abstractmethod
+    def step(self, timeout_ms: int = 20) -> None: ...
+
+    @abstractmethod
+    def _log_stats(self) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def serve(self) -> int:
+        """Run until :meth:`stop` (a signal handler calls it), then stop cleanly; the exit status."""
+        last_stats = time.monotonic()
+        while not self._stop.is_set():
+            self.step()
+            if time.monotonic() - last_stats >= STATS_EVERY_S:
+                last_stats = time.monotonic()
+                self._log_stats()
+        self.shutdown()
+        return self._exit_status
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _close(self) -> None:
+        for rk in self.ranks:
+            rk.worker.close()
+            rk.parts.backend.close()
+        self.ranks.clear()
+
+
 def backend_options(cfg: ServeConfig) -> dict[str, object]:
     """The configured options over what the advertised host implies."""
     name = cfg.backend or pd.default_backend()
@@ -59,10 +127,7 @@ def backend_options(cfg: ServeConfig) -> dict[str, object]:
 
 def open_memory(cfg: ServeConfig) -> ServeMemory:
     """The configured memory model, checked against the TP size (ValueError when it cannot)."""
-    try:
-        model = open_memory_model(cfg.memory)
-    except LookupError as exc:
-        raise ValueError(str(exc)) from None
+    model = open_memory_model(cfg.memory)
     model.check_tp(cfg.tp)
     return model
 
