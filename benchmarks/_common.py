@@ -12,6 +12,7 @@ import statistics
 import time
 import timeit
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,12 +37,8 @@ def arguments(doc: str | None, backends: str | None = None) -> argparse.Argument
 
 def machine(*extra: str) -> str:
     """The line every benchmark starts with: the machine, the libraries, then ``extra``."""
-    model = "unknown cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return ", ".join(
         [

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 from _common import arguments, load, machine
@@ -79,14 +80,10 @@ def serve(mode: str) -> int:
                     break
                 s = pre.stats
                 stats = {
-                    "messages_in": s.messages_in,
-                    "handshakes_refused": s.handshakes_refused,
-                    "connections": len(pre._conns),
-                    "connections_evicted": s.connections_evicted,
-                    "failures_kept": len(s.failures),
-                    "failures_total": s.failures.total,
+                    k: getattr(s, k) for k in ("messages_in", "handshakes_refused", "connections_evicted")
                 }
-                print(json.dumps(stats), flush=True)
+                stats |= {"connections": len(pre._conns), "failures_kept": len(s.failures)}
+                print(json.dumps(stats | {"failures_total": s.failures.total}), flush=True)
     backend.close()
     return 0
 
@@ -137,23 +134,21 @@ def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", mode],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+        [sys.executable, __file__, "--serve", mode], stdin=PIPE, stdout=PIPE, text=True, env=env
     )
     assert child.stdout is not None and child.stdin is not None
     info = json.loads(child.stdout.readline())
     endpoint = info["endpoint"]
     hello_msg = Identity(wire.Role.DECODE, "evil", ParallelRank(1, 0), model_fingerprint(SPEC), ()).hello()
-    hello = [bytes(f) for f in wire.encode(hello_msg, wire.NEWEST)]
+
+    def frames(msg: Any) -> list[bytes]:
+        return [bytes(f) for f in wire.encode(msg, wire.NEWEST)]
+
     bad_request = wire.TransferRequest(
         room=5, sender="evil", dst_kv_indices=[1, 2, 3], dst_aux_index=0, required_dst_info_num=1,
         decode_prefix_len=0, is_dummy=False, state_indices=[],
     )  # fmt: skip
-    request = [bytes(f) for f in wire.encode(bad_request, wire.NEWEST)]
-    register = [bytes(f) for f in wire.encode(bad_registration("evil"), wire.NEWEST)]
+    hello, request, register = frames(hello_msg), frames(bad_request), frames(bad_registration("evil"))
     rng = random.Random(7)
     ctx = zmq.Context()
     per_conn = max(1, args.messages // args.connections)
