@@ -59,12 +59,18 @@ def _verify(src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], table: Descr
     assert np.array_equal(rows_src[s.astype(np.int64)], rows_dst[d.astype(np.int64)]), "bytes differ"
 
 
+def _open_target(engine: str, opts: dict[str, object], name: str, nbytes: int) -> tuple[Backend, Any]:
+    """The target agent and its registered destination buffer."""
+    b = create_backend(engine, agent_name=f"bench-b-{name}", **opts)
+    dst = b.allocate("dst", nbytes)
+    b.register([dst.region()])
+    return b, dst
+
+
 def _target(conn: Connection, engine: str, opts: dict[str, object], name: str, nbytes: int) -> None:
     """The target agent in its own process: registers, then reports every notification."""
-    b = create_backend(engine, agent_name=f"bench-b-{name}", **opts)
+    b, dst = _open_target(engine, opts, name, nbytes)
     try:
-        dst = b.allocate("dst", nbytes)
-        b.register([dst.region()])
         conn.send((b.local_metadata(), dst.address))
         while True:
             got = b.receive_notifications()
@@ -99,9 +105,7 @@ def backend_seconds(
     conn: Connection | None = None
     try:
         if procs == 1:
-            b = create_backend(engine, agent_name=f"bench-b-{name}", **opts)
-            dst = b.allocate("dst", nbytes)
-            b.register([dst.region()])
+            b, dst = _open_target(engine, opts, name, nbytes)
             md, dst_base = b.local_metadata(), dst.address
         else:
             ctx = mp.get_context("spawn")
