@@ -61,19 +61,10 @@ def memory(tp: int, rank: int, layout: Layout, base: int, vllm: bool = False) ->
     item = PAGE * per_rank * HEAD_BYTES
     stride = 1 << 32
     k_bases = _bases(base, LAYERS, stride)
-    kv = KvPool(
-        k_bases,
-        k_bases if vllm else _bases(base + (1 << 40), LAYERS, stride),
-        (item * POOL_PAGES * (2 if vllm else 1),) * LAYERS,
-        item,
-        PAGE,
-        layout,
-        per_rank,
-        HEADS,
-        HEAD_BYTES,
-        page_stride=2 * item if vllm else None,
-        v_offset=item if vllm else 0,
-    )
+    v_bases = k_bases if vllm else _bases(base + (1 << 40), LAYERS, stride)
+    lens = (item * POOL_PAGES * (2 if vllm else 1),) * LAYERS
+    interleaved = {"page_stride": 2 * item, "v_offset": item} if vllm else {}  # K and V in one block
+    kv = KvPool(k_bases, v_bases, lens, item, PAGE, layout, per_rank, HEADS, HEAD_BYTES, **interleaved)
 
     def tensor(
         name: str,
@@ -100,19 +91,10 @@ def memory(tp: int, rank: int, layout: Layout, base: int, vllm: bool = False) ->
                            slot_stride=slot, offset=conv_item)  # fmt: skip
     mamba = StatePool(StateKind.MAMBA, Indexing.SLOT, (conv, temporal))
     swa_geometry = HeadGeometry(PAGE, layout, per_rank, HEADS, HEAD_BYTES)
-    swa = StatePool(
-        StateKind.SWA,
-        Indexing.PAGE,
-        (tensor("k", 4, SWA_LAYERS, item, POOL_PAGES), tensor("v", 5, SWA_LAYERS, item, POOL_PAGES)),
-        heads=swa_geometry,
-    )
-    dsa_item = PAGE * DSA_TOKEN_BYTES
-    dsa = StatePool(
-        StateKind.DSA,
-        Indexing.PAGE,
-        (tensor("indexer", 6, DSA_LAYERS, dsa_item, POOL_PAGES),),
-        replicated=True,
-    )
+    swa_kv = (tensor("k", 4, SWA_LAYERS, item, POOL_PAGES), tensor("v", 5, SWA_LAYERS, item, POOL_PAGES))
+    swa = StatePool(StateKind.SWA, Indexing.PAGE, swa_kv, heads=swa_geometry)
+    indexer = tensor("indexer", 6, DSA_LAYERS, PAGE * DSA_TOKEN_BYTES, POOL_PAGES)
+    dsa = StatePool(StateKind.DSA, Indexing.PAGE, (indexer,), replicated=True)
     aux = (AuxBuffer("output", base + (7 << 40), AUX_ITEM * 256, AUX_ITEM),)
     return RankMemory(ParallelRank(tp, rank), kv, (mamba, swa, dsa), aux)
 
