@@ -7,34 +7,12 @@ validated, :mod:`.membership` for the pure view built from registry events, and
 
 from pdwire.discovery.base import Discovery, DiscoveryError
 from pdwire.discovery.config import open_discovery
-from pdwire.discovery.entry import (
-    DEFAULT_PREFIX,
-    Geometry,
-    RankEntry,
-    RegistryEntryError,
-    decode_entry,
-    encode_entry,
-    entry_key,
-    rank_name,
-    role_name,
-)
+from pdwire.discovery.entry import Geometry, RankEntry, RegistryEntryError, decode_entry, encode_entry
 from pdwire.discovery.etcd import EtcdDiscovery
-from pdwire.discovery.membership import (
-    Change,
-    EngineGroup,
-    Joined,
-    Left,
-    Membership,
-    RegistryBack,
-    RegistryLost,
-    Rejected,
-    Restarted,
-    Updated,
-)
-from pdwire.discovery.static import StaticDiscovery, parse_engine_flag, static_entries
+from pdwire.discovery.membership import Change, EngineGroup, Joined, Left, Membership, Rejected, Restarted
+from pdwire.discovery.static import StaticDiscovery, parse_engine_flag
 
 __all__ = [
-    "DEFAULT_PREFIX",
     "Change",
     "Discovery",
     "DiscoveryError",
@@ -45,19 +23,12 @@ __all__ = [
     "Left",
     "Membership",
     "RankEntry",
-    "RegistryBack",
     "RegistryEntryError",
-    "RegistryLost",
     "Rejected",
     "Restarted",
     "StaticDiscovery",
-    "Updated",
     "decode_entry",
     "encode_entry",
-    "entry_key",
     "open_discovery",
     "parse_engine_flag",
-    "rank_name",
-    "role_name",
-    "static_entries",
 ]

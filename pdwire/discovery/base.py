@@ -1,19 +1,9 @@
-"""The discovery interface: announce this rank, learn about the others.
+"""The discovery interface: announce this rank, learn about the others (docs/deployment.md).
 
-One small contract, two implementations (:mod:`.static`, :mod:`.etcd`)::
-
-    disc = open_discovery("etcd://10.0.0.5:2379/pdwire")   # or "static:ranks.yaml"
-    disc.register(my_entry)            # kept alive in the background until withdraw()/close()
-    for change in disc.poll(timeout_s=0.5):   # Joined / Left / Restarted / Rejected / RegistryLost ...
-        ...
-    disc.membership.complete_groups(wire.Role.PREFILL)   # the current view, by engine
-    disc.close()                       # withdraws the entry: peers see it leave at once
-
-An implementation only produces :data:`~.membership.RegistryEvent` values
-(:meth:`Discovery._events`); turning them into changes and a view is the pure
-:class:`~.membership.Membership`, owned by the caller's thread. Losing the registry is a
-change (:class:`~.membership.RegistryLost`), never an exception: implementations retry on
-their own, and ``poll`` never raises for anything the network did.
+An implementation (:mod:`.static`, :mod:`.etcd`) only produces
+:data:`~.membership.RegistryEvent` values (:meth:`Discovery._events`); turning them into
+changes and a view is the pure :class:`~.membership.Membership`, owned by the caller's thread.
+Losing the registry is a change (:class:`~.membership.RegistryLost`), never an exception.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""A registry entry: what one rank tells the others about itself, and its key.
+"""A registry entry: what one rank tells the others about itself, and its key
+``<prefix>/<role>/<engine_id>/<rank>`` (docs/deployment.md, "What a rank registers").
 
-An entry is data from the network (anyone who can write the registry can write it), so it
-is decoded like a wire message: strict msgspec types first (a string where a number
-belongs is refused, never coerced), then the rules types cannot say (a TP rank below the
-TP size, an advertised address that is not a wildcard, a key that names the same role,
-engine and rank as the entry). Every refusal is one :class:`RegistryEntryError` naming the
-key and the field.
-
-The text is JSON (one object; ``etcdctl get`` shows it readably). ``format`` is the entry's
-own version: this build writes and reads format 1 and refuses a newer one by name; fields
-it does not know are ignored, so a later format 1 writer may add optional fields.
-
-Key layout, under a deployment prefix (default ``/pdwire``)::
-
-    <prefix>/<role>/<engine_id>/<rank>      e.g. /pdwire/prefill/prefill-a/tp1.pp0
-
-where ``<rank>`` is :func:`rank_name` of the entry's geometry.
+An entry is data from the network, so it is decoded like a wire message: strict msgspec types
+first (never coerced), then the rules types cannot say; every refusal is one
+:class:`RegistryEntryError` naming the key and the field. ``format`` is the entry's own
+version: this build refuses another one by name and ignores fields it does not know, so a
+later format 1 writer may add optional fields.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""etcd discovery: each rank's entry under a leased key, a prefix watch for the others.
+"""etcd discovery: each rank's entry under a leased key, a prefix watch for the others
+(behaviour: docs/deployment.md, "etcd behaviour" and "Losing etcd is not fatal").
 
-Uses etcd's v3 HTTP gateway through the PyPI client ``etcd3gw`` (leases, puts, ranges);
-the watch stream is read here, line by line, with read timeouts, because a watch that a
-dead server or a cut link leaves silent must be noticed and resumed, not waited on forever.
-
-Two background threads, both only producing :data:`~.membership.RegistryEvent` values into
-a queue that :meth:`~.base.Discovery.poll` drains in the caller's thread:
-
-* the **keeper** (started by :meth:`register`) grants a lease of ``ttl_s``, puts the entry
-  with it and refreshes it every ``ttl_s / 3``. A process that dies stops refreshing, so
-  etcd deletes the key within the TTL and every watcher sees the rank leave. A refresh that
-  finds the lease gone (etcd was unreachable for longer than the TTL) registers again.
-  :meth:`withdraw` (and so :meth:`close`) revokes the lease: peers see the rank leave at once.
-* the **watcher** reads the whole prefix once (a :class:`~.membership.Snapshot` at revision
-  R), then watches it from R + 1. An idle stream is re-opened every ``watch_idle_s`` from
-  the last revision seen (no event is lost); a compacted revision reads the prefix again.
-
-Any failure (refused connection, timeout, HTTP error, a malformed answer) is reported once
-as the registry being unreachable (logged, and a :class:`~.membership.RegistryLost`
-change), retried with a backoff capped at one second on the next configured endpoint, and
-reported back once both threads succeed again. Nothing of it ever raises out of ``poll``.
+Uses etcd's v3 HTTP gateway through ``etcd3gw``; the watch stream is read here, line by line,
+with read timeouts, because a watch that a dead server or a cut link leaves silent must be
+noticed and resumed, not waited on forever. Two background threads, the lease **keeper** and
+the **watcher**, only put :data:`~.membership.RegistryEvent` values into a queue that
+:meth:`~.base.Discovery.poll` drains in the caller's thread; nothing of a failure ever raises
+out of ``poll``.
 """
 
 from __future__ import annotations
@@ -161,7 +148,6 @@ class EtcdDiscovery(Discovery):
         self._keeper: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self._closed = False
-        self.lease_id: int | None = None  # the keeper's current lease (for tests and logs)
         if self.membership.roles:
             self._watcher = threading.Thread(target=self._watch_loop, name="pdwire-etcd-watch", daemon=True)
             self._watcher.start()
@@ -218,7 +204,6 @@ class EtcdDiscovery(Discovery):
                     if lease is not None:
                         lease, old = None, lease
                         written = {}
-                        self.lease_id = None
                         old.revoke()
                         log.info("etcd: withdrew this rank (lease %x revoked)", old.id)
                     self._withdrawn.set()
@@ -227,7 +212,6 @@ class EtcdDiscovery(Discovery):
                     continue
                 if lease is None:
                     lease = client.lease(self.ttl_s)
-                    self.lease_id = lease.id
                     written = {}
                     log.info("etcd: lease %x granted (ttl %ss)", lease.id, self.ttl_s)
                 elif written and lease.refresh() <= 0:
@@ -236,7 +220,7 @@ class EtcdDiscovery(Discovery):
                         lease.id,
                         self.ttl_s,
                     )
-                    lease, written, self.lease_id = None, {}, None
+                    lease, written = None, {}
                     continue
                 for key, value in registrations.items():
                     if written.get(key) != value:
@@ -371,13 +355,10 @@ class EtcdDiscovery(Discovery):
         out: list[RegistryEvent] = []
         try:
             out.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
+            while True:
+                out.append(self._queue.get_nowait())
         except queue.Empty:
             return out
-        while True:
-            try:
-                out.append(self._queue.get_nowait())
-            except queue.Empty:
-                return out
 
     def close(self) -> None:
         with self._lock:

@@ -1,26 +1,18 @@
 """Who is registered: a pure machine from registry events to membership changes.
 
-The I/O edge (etcd, a static file) turns what it reads into :data:`RegistryEvent` values
-(a full :class:`Snapshot`, then single :class:`Put` and :class:`Delete` events with their
-store revision, and reachability); :meth:`Membership.apply` returns what changed
-(:data:`Change`) and keeps the current view. No sockets, no clocks, no threads: the tests
-drive it with hypothesis.
+The I/O edge (etcd, a static file) turns what it reads into :data:`RegistryEvent` values;
+:meth:`Membership.apply` returns what changed (:data:`Change`) and keeps the current view. No
+sockets, no clocks, no threads: the tests drive it with hypothesis. Rules:
 
-Rules:
-
-* every value is decoded and validated (:func:`~.entry.decode_entry`); a refused value is
-  one :class:`Rejected` change (reported once per distinct value), never a member, and it
-  removes the valid entry it overwrote (:class:`Left` first);
-* the same key with another ``incarnation`` is a :class:`Restarted` rank (the old process is
-  gone: its connections must be dropped); the same incarnation with other fields is
-  :class:`Updated`; a value equal to the current one changes nothing;
-* events below the revision already applied are ignored (a watch resumed after a reconnect
-  may repeat some); events *at* it are applied, since one revision can carry several events
-  (a revoked lease deletes every key it held at once) and applying one again changes
-  nothing; a snapshot replaces the view: keys it lacks have :class:`Left`;
-* losing the registry keeps the last view (ranks do not vanish because the registry is
-  unreachable; their own connections tell whether they are alive) and is reported once
-  (:class:`RegistryLost`), as is its return (:class:`RegistryBack`).
+* a refused value is one :class:`Rejected` change (once per distinct value), never a member,
+  and it removes the valid entry it overwrote (:class:`Left` first);
+* the same key with another ``incarnation`` is a :class:`Restarted` rank; the same incarnation
+  with other fields is :class:`Updated`; an equal value changes nothing;
+* events below the revision already applied are ignored (a resumed watch may repeat some);
+  events *at* it are applied, since one revision can carry several events (a revoked lease
+  deletes every key it held at once); a snapshot replaces the view;
+* losing the registry keeps the last view (the ranks' own connections tell whether they are
+  alive) and is reported once (:class:`RegistryLost`), as is its return (:class:`RegistryBack`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Static discovery: the ranks come from a file or from flags, for set-ups without a registry.
 
-File (YAML or JSON), two forms that may be mixed::
-
-    engines:                       # the short form: control endpoints in TP rank order
-      prefill:
-        prefill-a: [tcp://10.0.0.1:17000, tcp://10.0.0.1:17001]
-    ranks:                         # the long form: full registry entries (see entry.py)
-      - {role: prefill, engine_id: prefill-b, geometry: {tp_size: 1, tp_rank: 0},
-         control: "tcp://10.0.0.2:17000", backend: nixl}
-
-Every entry passes the registry's validation; a bad file at start-up raises
-:class:`~.base.DiscoveryError` naming file and entry. The file is read again when its
-modification time changes (an operator's edit is a new snapshot: ranks added join, ranks
-removed leave); a file that became unreadable or invalid is reported as a lost registry
-and the last good view is kept.
-
+The file's two forms are docs/deployment.md's ("Static lists"). Every entry passes the
+registry's validation; a bad file at start-up raises :class:`~.base.DiscoveryError`. The file
+is read again when its modification time changes (a new snapshot); a file that became
+unreadable or invalid is reported as a lost registry and the last good view is kept.
 ``register`` only checks this rank's entry: a static list is written by the operator.
 """
 
@@ -110,8 +99,8 @@ def _entries_from_data(data: object, where: str) -> list[RankEntry]:
     return out
 
 
-def read_static_file(path: str | os.PathLike[str]) -> tuple[list[RankEntry], str | None]:
-    """(entries, prefix or None) from a static list; RegistryEntryError or OSError on trouble."""
+def read_static_file(path: str | os.PathLike[str]) -> list[RankEntry]:
+    """The entries of a static list; RegistryEntryError or OSError on trouble."""
     p = Path(path)
     text = p.read_text()
     where = str(p)
@@ -124,7 +113,7 @@ def read_static_file(path: str | os.PathLike[str]) -> tuple[list[RankEntry], str
     prefix = data.get("prefix") if isinstance(data, dict) else None
     if prefix is not None and not isinstance(prefix, str):
         raise RegistryEntryError(where, "'prefix' must be a string")
-    return _entries_from_data(data, where), prefix
+    return _entries_from_data(data, where)
 
 
 class StaticDiscovery(Discovery):
@@ -152,7 +141,7 @@ class StaticDiscovery(Discovery):
             return []
         try:
             self._mtime = self._path.stat().st_mtime
-            entries, _ = read_static_file(self._path)
+            entries = read_static_file(self._path)
         except (OSError, RegistryEntryError) as exc:
             if strict:
                 raise DiscoveryError(f"static discovery file {self._path}: {exc}") from exc
