@@ -263,19 +263,13 @@ def describe_pdwire(frames: list[bytes]) -> Decoded:
     )
 
 
-def _sglang_decode(frames: list[bytes], backend: str | None, message: str | None, version: Any) -> Any:
-    from pdwire.wire import sglang
-
-    return sglang.decode(frames, backend, version=version, message=message)
-
-
 def describe_sglang(
     frames: list[bytes], backend: str | None, message: str | None, version: tuple[int, int] | None
 ) -> Decoded:
     from pdwire.wire import sglang
 
     try:
-        msg = _sglang_decode(frames, backend, message, version)
+        msg = sglang.decode(frames, backend, version=version, message=message)
     except WireError as exc:
         tried = version or sglang.VERSIONS[-1]
         hint = ""
@@ -283,7 +277,7 @@ def describe_sglang(
             if other == tried:
                 continue
             try:
-                _sglang_decode(frames, backend, message, other)
+                sglang.decode(frames, backend, version=other, message=message)
             except WireError:
                 continue
             v = f"{other[0]}.{other[1]}"

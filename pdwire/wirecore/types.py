@@ -3,7 +3,7 @@ wire structs validate with on decode."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -21,3 +21,13 @@ Version = tuple[int, int]
 """A protocol version, ``(major, minor)``: what negotiation agrees on, what a header carries,
 what the codegen model and the generated feature tables speak (the wire's ``Version`` struct is
 how a Hello lists them)."""
+
+
+def as_version(v: Any) -> Version | None:
+    """A wire ``Version`` struct or a (major, minor) pair of ints as a :data:`Version`; None for
+    anything else (never a bool, a str or a float)."""
+    if type(getattr(v, "major", None)) is int and type(getattr(v, "minor", None)) is int:
+        return v.major, v.minor
+    if isinstance(v, tuple | list) and len(v) == 2 and all(type(x) is int for x in v):
+        return v[0], v[1]
+    return None

@@ -39,7 +39,7 @@ from ..errors import (
     WireError,
     WrongProtocol,
 )
-from ..types import Version
+from ..types import Version, as_version
 from .header import HEADER_SIZE, MAGIC, MAX_SIDE_FRAMES, pack_header, parse_header
 from .msgspec_errors import body_error
 from .negotiate import describe
@@ -387,14 +387,9 @@ def _as_bytes(view: memoryview, i: int) -> memoryview:
 
 
 def _version_arg(version: Any) -> Version:
-    if type(getattr(version, "major", None)) is int and type(getattr(version, "minor", None)) is int:
-        return version.major, version.minor  # a wire Version (what hello_versions() lists)
-    if (
-        isinstance(version, tuple | list)
-        and len(version) == 2
-        and all(type(x) is int for x in version)  # never a bool, a str or a float
-    ):
-        return version[0], version[1]
+    pair = as_version(version)  # also a wire Version (what hello_versions() lists)
+    if pair is not None:
+        return pair
     hint = " (write (1, 3) for version 1.3)" if isinstance(version, str) else ""
     raise EncodeError(f"version must be a (major, minor) tuple of ints or a Version, got {version!r}{hint}")
 

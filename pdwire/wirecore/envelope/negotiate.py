@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import NegotiationError, VersionMismatch
-from ..types import Version
+from ..types import Version, as_version
 
 
 def _pairs(versions: object, side: str) -> list[Version]:
@@ -19,16 +19,15 @@ def _pairs(versions: object, side: str) -> list[Version]:
         raise NegotiationError(f"{side} versions must be a list of (major, minor) pairs, got {versions!r}")
     out: list[Version] = []
     for v in versions:
-        if type(getattr(v, "major", None)) is int and type(getattr(v, "minor", None)) is int:
-            out.append((v.major, v.minor))
-        elif isinstance(v, tuple | list) and len(v) == 2 and all(type(x) is int for x in v):
-            out.append((v[0], v[1]))
-        else:
+        pair = as_version(v)
+        if pair is None:
             raise NegotiationError(f"{side} versions: {v!r} is not a (major, minor) pair of ints")
+        out.append(pair)
     return out
 
 
-def _normalise(versions: Iterable[Version]) -> dict[int, int]:
+def newest_minors(versions: Iterable[Version]) -> dict[int, int]:
+    """Major -> the highest minor of it that ``versions`` list."""
     out: dict[int, int] = {}
     for major, minor in versions:
         out[major] = max(minor, out.get(major, -1))
@@ -38,7 +37,7 @@ def _normalise(versions: Iterable[Version]) -> dict[int, int]:
 def describe(versions: Iterable[Version]) -> str:
     """``1.0-1.3, 2.0`` style text: every version a list means."""
     parts = []
-    for major, minor in sorted(_normalise(versions).items()):
+    for major, minor in sorted(newest_minors(versions).items()):
         parts.append(f"{major}.0" if minor == 0 else f"{major}.0-{major}.{minor}")
     return ", ".join(parts) if parts else "nothing"
 
@@ -46,7 +45,7 @@ def describe(versions: Iterable[Version]) -> str:
 def negotiate(ours: Iterable[Version], theirs: Iterable[Version]) -> Version:
     """The highest version both sides read, or :class:`VersionMismatch` naming both lists."""
     ours_l, theirs_l = _pairs(ours, "this side's"), _pairs(theirs, "the peer's")
-    a, b = _normalise(ours_l), _normalise(theirs_l)
+    a, b = newest_minors(ours_l), newest_minors(theirs_l)
     common = set(a) & set(b)
     if not common:
         raise VersionMismatch(
