@@ -9,8 +9,7 @@ from typing import Any
 
 from .errors import SchemaError
 from .generate import render_all, stale, write
-
-REPO = Path(__file__).resolve().parent.parent
+from .templating import REPO
 
 
 def in_checkout(root: Path = REPO) -> bool:

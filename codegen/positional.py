@@ -48,13 +48,6 @@ ENCODINGS: dict[str, frozenset[str]] = {
 }
 FALLBACKS = frozenset({"empty", "blank", "omit"})
 PREDICATES = frozenset({"dec", "not_dec"})
-_ARRAY_DTYPE = {
-    "native_u64_array": "NATIVE_U64",
-    "native_u32_array": "NATIVE_U32",
-    "native_i32_array": "NATIVE_I32",
-    "le_u32_array": "LE_U32",
-}
-_LIST_DTYPE = {"i32": "LE_I32", "u32": "LE_U32", "u64": "LE_U64"}
 # encodings.read_int* compare a decimal read from digits alone with the upper bound only
 assert all(lo <= 0 for lo, _ in INT_RANGES.values()), "an integer type with a positive lower bound"
 _DERIVED_RE = re.compile(r"^([a-z_][a-z0-9_]*)\s*->\s*(.+)$")
@@ -202,8 +195,8 @@ class FrameView:
         """The ``encodings`` dtype of an array frame or of a list of arrays' items."""
         if self.encoding == "le_list_of_lists":
             assert self.type.elem is not None
-            return _LIST_DTYPE[self.type.elem.name]
-        return _ARRAY_DTYPE[self.encoding]
+            return f"LE_{self.type.elem.name.upper()}"
+        return self.encoding.removesuffix("_array").upper()  # native_u64_array: NATIVE_U64
 
     @property
     def nested(self) -> bool:

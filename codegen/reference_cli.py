@@ -13,8 +13,7 @@ from .errors import SchemaError
 from .loader import load_dir
 from .model import Protocol, format_version
 from .render import ROOT_PROTOCOL
-
-REPO = Path(__file__).resolve().parent.parent
+from .templating import REPO
 
 
 def register(subparsers: Any) -> None:

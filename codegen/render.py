@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .model import INT_RANGES, Enum, Field, Message, Protocol, TypeRef, Version, format_version
-from .templating import banners, environment, render_formatted, render_package
+from pdwire.wirecore.envelope.negotiate import newest_minors
 
-_DTYPE = {"i32": "I32", "u32": "U32", "u64": "U64"}
-_ITEMSIZE = {"i32": 4, "u32": 4, "u64": 8}
+from .model import ARRAY_DTYPES, INT_RANGES, Enum, Field, Message, Protocol, TypeRef, Version, format_version
+from .templating import banners, environment, render_formatted, render_package
 
 
 def mod_name(v: Version) -> str:
@@ -50,11 +49,11 @@ class TypeView:
     @property
     def dtype(self) -> str:
         """The array dtype constant (``U64``)."""
-        return _DTYPE[self.name]
+        return self.name.upper()
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.name]
+        return ARRAY_DTYPES[self.name][1]
 
     @property
     def lo(self) -> int:
@@ -464,10 +463,7 @@ def major_views(p: Protocol) -> list[MajorView]:
 
 
 def supported(p: Protocol) -> list[Version]:
-    best: dict[int, int] = {}
-    for v in p.version_list:
-        best[v[0]] = max(v[1], best.get(v[0], -1))
-    return sorted(best.items())
+    return sorted(newest_minors(p.version_list).items())
 
 
 def show_default(f: Field) -> str:
