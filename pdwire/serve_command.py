@@ -19,7 +19,7 @@ from pdwire.serve.memory import ServeMemory, register_memory_model
 def _demo_model(settings: MemorySettings) -> ServeMemory:
     from pdwire.demo.serve_model import DemoServeMemory
 
-    return DemoServeMemory(settings)
+    return DemoServeMemory.of(settings)
 
 
 def register(subparsers: Any) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from pdwire.demo.spec import Capacity, ModelSpec, pages_for
@@ -31,34 +30,20 @@ not run (a rank crashed, the handshake was refused, a start-up timed out); 130 i
 every rank stopped, every shared-memory file removed)."""
 
 
-@dataclass(frozen=True)
-class Bound:
-    """An integer (or float) argument's allowed range, inclusive."""
-
-    flag: str
-    lo: float
-    hi: float
-
-    def problem(self, value: float) -> str | None:
-        if self.lo <= value <= self.hi:
-            return None
-        lo, hi = (f"{self.lo:g}", f"{self.hi:g}")
-        return f"{self.flag} {value:g}: must be {lo}..{hi}"
-
-
-BOUNDS: dict[str, Bound] = {
-    "prefill_tp": Bound("--prefill-tp", 1, 64),
-    "decode_tp": Bound("--decode-tp", 1, 64),
-    "requests": Bound("--requests", 1, 4096),
-    "min_tokens": Bound("--min-tokens", 1, 65535),
-    "max_tokens": Bound("--max-tokens", 1, 65535),
-    "layers": Bound("--layers", 1, 256),
-    "heads": Bound("--heads", 1, 1024),
-    "head_dim": Bound("--head-dim", 1, 4096),
-    "page_size": Bound("--page-size", 1, 4096),
-    "chunk_pages": Bound("--chunk-pages", 1, 65535),
-    "seed": Bound("--seed", 0, 2**32 - 1),
-    "timeout": Bound("--timeout", 0.1, 86400),
+# dest -> (flag, type, default, lowest, highest, help without the default)
+OPTIONS: dict[str, tuple[str, type, float, float, float, str]] = {
+    "prefill_tp": ("--prefill-tp", int, 2, 1, 64, "prefill TP size, 1..64"),
+    "decode_tp": ("--decode-tp", int, 4, 1, 64, "decode TP size, 1..64"),
+    "requests": ("--requests", int, 24, 1, 4096, "concurrent requests, 1..4096"),
+    "min_tokens": ("--min-tokens", int, 32, 1, 65535, "shortest prompt in tokens, 1..65535"),
+    "max_tokens": ("--max-tokens", int, 512, 1, 65535, "longest prompt, min-tokens..65535"),
+    "layers": ("--layers", int, 4, 1, 256, "attention layers, 1..256"),
+    "heads": ("--heads", int, 8, 1, 1024, "KV heads, divisible by both TP sizes; ignored with --mla"),
+    "head_dim": ("--head-dim", int, 64, 1, 4096, "head dimension, 1..4096"),
+    "page_size": ("--page-size", int, 16, 1, 4096, "tokens per KV page, 1..4096"),
+    "chunk_pages": ("--chunk-pages", int, 8, 1, 65535, "pages per chunked-prefill chunk"),
+    "seed": ("--seed", int, 1, 0, 2**32 - 1, "seed of prompt lengths and content"),
+    "timeout": ("--timeout", float, 60.0, 0.1, 86400, "per-room timeout in seconds, > 0"),
 }
 MAX_BYTES_PER_RANK = 8 << 30  # a rank's caches must fit in memory: refuse shapes that cannot
 
@@ -75,45 +60,17 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size, 1..64 (default: %(default)s)")
-    p.add_argument("--decode-tp", type=int, default=4, help="decode TP size, 1..64 (default: %(default)s)")
+    for dest, (flag, kind, default, _, _, text) in OPTIONS.items():
+        p.add_argument(
+            flag, dest=dest, type=kind, default=kind(default), help=f"{text} (default: %(default)s)"
+        )
     p.add_argument(
         "--backend",
         default=None,
         choices=known_backends(),
         help="transfer engine (default: nixl when it imports, else local)",
     )
-    p.add_argument(
-        "--requests", type=int, default=24, help="concurrent requests, 1..4096 (default: %(default)s)"
-    )
-    p.add_argument(
-        "--min-tokens",
-        type=int,
-        default=32,
-        help="shortest prompt in tokens, 1..65535 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=512, help="longest prompt, min-tokens..65535 (default: %(default)s)"
-    )
-    p.add_argument("--layers", type=int, default=4, help="attention layers, 1..256 (default: %(default)s)")
-    p.add_argument(
-        "--heads", type=int, default=8,
-        help="KV heads, divisible by both TP sizes; ignored with --mla (default: %(default)s)",
-    )  # fmt: skip
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension, 1..4096 (default: %(default)s)")
-    p.add_argument(
-        "--page-size", type=int, default=16, help="tokens per KV page, 1..4096 (default: %(default)s)"
-    )
-    p.add_argument(
-        "--chunk-pages", type=int, default=8, help="pages per chunked-prefill chunk (default: %(default)s)"
-    )
     p.add_argument("--mla", action="store_true", help="MLA model (latent KV, SWA + DSA indexer state)")
-    p.add_argument(
-        "--seed", type=int, default=1, help="seed of prompt lengths and content (default: %(default)s)"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=60.0, help="per-room timeout in seconds, > 0 (default: %(default)s)"
-    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.add_argument(
         "--serve",
@@ -125,10 +82,9 @@ def register(subparsers: Any) -> None:
 
 def validate(args: argparse.Namespace) -> str | None:
     """The first argument that cannot work, as one line naming it and its allowed range."""
-    for dest, bound in BOUNDS.items():
-        problem = bound.problem(getattr(args, dest))
-        if problem is not None:
-            return problem
+    for dest, (flag, _, _, lo, hi, _) in OPTIONS.items():
+        if not lo <= (value := getattr(args, dest)) <= hi:
+            return f"{flag} {value:g}: must be {lo:g}..{hi:g}"
     if args.json and args.serve:
         return "--json: not with --serve (that mode reports the serve processes' outcome as text)"
     if args.max_tokens < args.min_tokens:

@@ -134,8 +134,7 @@ class Cluster:
 
     def connect(self, decode: Group, prefill: Group, timeout_s: float = 30.0) -> list[str]:
         """Handshake every decode rank with ``prefill``; returns per-rank errors ('' = connected)."""
-        for c in decode.conns:
-            c.send(("connect", prefill.endpoints, timeout_s))
+        self.start_connect(decode, prefill, timeout_s)
         got = self._gather(decode, "connected", timeout_s + 30.0)
         return [got[r][3] for r in range(decode.tp)]
 

@@ -17,13 +17,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pdwire.demo.model import ModelSpec, RankCaches
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, tensor_shapes
 from pdwire.demo.spec import pages_for as pages_for  # re-exported: callers import it from here
 from pdwire.runtime.engine import RequestIndices
 from pdwire.runtime.planner import StateKind, heads_held
 
 SENTINEL = 0x5A5A  # int16 fill of every decode pool byte that no finished room owns
 I32 = npt.NDArray[np.int32]
+_HND = ("kv.k", "kv.v", "swa.k", "swa.v")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,26 +60,17 @@ class RoomSlots:
 
 
 def full_tensors(spec: ModelSpec, seed: int, room: int, tokens: int) -> dict[str, torch.Tensor]:
-    """The unsharded content of every cache tensor for one room, layers first."""
+    """The unsharded content of every cache tensor for one room, layers first, tokens (for a
+    page-indexed tensor) second: the pool shapes of TP 1 holding just this room."""
     pages, swa_pages = pages_for(spec, tokens)
-    n, nswa = pages * spec.page_size, swa_pages * spec.page_size
     shapes: dict[str, tuple[int, ...]] = {}
-    if spec.mla:
-        shapes["kv.latent"] = (spec.layers, n, 1, spec.latent_dim)
-        if spec.swa_layers:
-            shapes["swa.latent"] = (spec.swa_layers, nswa, spec.latent_dim)
-        if spec.dsa_layers:
-            shapes["dsa.index_k"] = (spec.dsa_layers, n, spec.dsa_dim)
-    else:
-        shapes["kv.k"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
-        shapes["kv.v"] = (spec.layers, n, spec.kv_heads, spec.head_dim)
-        if spec.mamba_layers:
-            shapes["mamba.conv"] = (spec.mamba_layers, spec.conv_channels, spec.conv_width)
-            shapes["mamba.temporal"] = (spec.mamba_layers, spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)
-        if spec.swa_layers:
-            shapes["swa.k"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
-            shapes["swa.v"] = (spec.swa_layers, nswa, spec.kv_heads, spec.head_dim)
-    shapes["aux"] = (1, spec.aux_bytes // 2)
+    for name, (pool, layers) in tensor_shapes(spec, 1, 0, Capacity(pages, 1, swa_pages, 1)).items():
+        if name in _HND:  # [pages, heads, page_size, dim] -> [tokens, heads, dim]
+            shapes[name] = (layers, pool[0] * pool[2], pool[1], pool[3])
+        elif name.startswith(("kv.", "swa.", "dsa.")):  # [pages, page_size, ...] -> [tokens, ...]
+            shapes[name] = (layers, pool[0] * pool[1], *pool[2:])
+        else:  # one slot or aux item
+            shapes[name] = (layers, *pool[1:])
     g = torch.Generator().manual_seed((seed * 1_000_003 + room) % (1 << 63))
     return {
         k: torch.randint(-(1 << 15), 1 << 15, s, dtype=torch.int16, generator=g) for k, s in shapes.items()
@@ -89,7 +81,7 @@ def shard(spec: ModelSpec, name: str, full: torch.Tensor, tp: int, rank: int) ->
     """The part of ``full`` that TP rank ``rank`` of ``tp`` holds (plain slicing, no planner)."""
     if spec.mla or name == "aux":
         return full  # MLA latent, SWA latent, DSA indexer and aux are replicated
-    if name in ("kv.k", "kv.v", "swa.k", "swa.v"):
+    if name in _HND:
         lo, hi = heads_held(tp, rank, spec.kv_heads)
         return full[:, :, lo:hi]
     if name == "mamba.temporal":
@@ -103,9 +95,6 @@ def shard(spec: ModelSpec, name: str, full: torch.Tensor, tp: int, rank: int) ->
             offset += block
         return torch.cat(parts, dim=1)
     raise KeyError(name)
-
-
-_HND = ("kv.k", "kv.v", "swa.k", "swa.v")
 
 
 def _rows(idx: I32) -> torch.Tensor:

@@ -1,20 +1,11 @@
 """The demo's small hybrid model: one rank's transfer memory, laid out as torch tensors.
 
-A rank holds, in one buffer allocated through the transfer backend (so engines can register
-it), int16 tensors shaped like a small hybrid model's caches:
-
-* attention KV pool, per layer ``[pages, heads_local, page_size, head_dim]`` for K and for V
-  (HND), or for MLA one latent ``[pages, page_size, 1, latent_dim]`` per layer;
-* non-MLA: a Mamba component (per Mamba layer a conv state ``[slots, conv_local, width]``
-  whose channels are the concatenation of independently sharded q|k|v sub-blocks, and a
-  temporal state ``[slots, ssm_heads_local, ssm_head_dim, ssm_state]``) plus an SWA pool
-  sharded by KV head like the KV pool;
-* MLA: an SWA pool and a DSA indexer pool, both replicated across TP (the DSA indexer uses
-  the KV page ids);
-* one aux buffer ``[aux_slots, aux_bytes]``.
-
-The same :class:`ModelSpec` describes the planner's :class:`RankMemory` for the rank, so the
-registration and the tensors cannot drift apart.
+One buffer allocated through the transfer backend (so engines can register it) holds int16
+tensors shaped like a hybrid model's caches (:func:`tensor_shapes`): the KV pool (HND K and V,
+or one MLA latent), a Mamba component (conv state of independently sharded q|k|v sub-blocks,
+temporal state) and an SWA pool, or for MLA a replicated SWA and DSA indexer pool; one aux
+buffer. The same :class:`ModelSpec` describes the planner's :class:`RankMemory` for the rank,
+so the registration and the tensors cannot drift apart.
 """
 
 from __future__ import annotations
@@ -67,9 +58,6 @@ class RankCaches:
 
     def regions(self) -> list[Region]:
         return regions(self.memory)
-
-    def address(self, t: torch.Tensor) -> int:
-        return int(t.data_ptr())
 
 
 def _local_heads(spec: ModelSpec, tp: int, rank: int) -> int:

@@ -1,31 +1,17 @@
 """An in-process fake of MoRI's IO engine API (``mori.io``), for hosts without MoRI: backend ``mori-fake``.
 
-Part of the demo, not of the production backends: :func:`pdwire.demo.register_mori_fake`
-registers it (``pdwire demo --backend mori-fake``, the conformance and end-to-end suites).
+MoRI cannot be installed on this project's machines, so the MoRI adapter
+(:mod:`pdwire.runtime.backends.mori`) is tested against this fake, registered by
+:func:`pdwire.demo.register_mori_fake`. It mirrors the calls the adapter makes with their
+shapes and semantics: ``batch_write`` offsets are relative to each descriptor's base and
+completion comes through statuses the caller waits on; ``EngineDesc.pack()`` and
+``MemoryDesc.pack()`` are msgpack arrays.
 
-MoRI (ROCm/mori) cannot be installed on this project's machines, so the MoRI adapter
-(:mod:`pdwire.runtime.backends.mori`) is tested against this fake. It mirrors the Python surface the adapter
-uses, with the same call shapes and semantics:
-
-* ``IOEngine(key, IOEngineConfig(host, port))``, ``create_backend(BackendType.RDMA)``,
-  ``get_engine_desc() -> EngineDesc``, ``register_remote_engine(desc)``,
-  ``deregister_remote_engine(desc)``;
-* ``register_memory(ptr, size, device_id, MemoryLocationType) -> MemoryDesc``,
-  ``deregister_memory(desc)``;
-* ``allocate_transfer_uid() -> int``;
-* ``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids)
-  -> list[TransferStatus]``: one entry per (local desc, remote desc) pair, offsets
-  *relative to each descriptor's base*, completion through statuses that the caller
-  must wait on (``InProgress() / Succeeded() / Failed() / Code() / Message() / Wait()``);
-* ``EngineDesc.pack()`` / ``MemoryDesc.pack()`` are msgpack arrays
-  (``[key, hostname, host, port, pid]`` and ``[engineKey, id, deviceId, data, size, loc,
-  ipcHandle]``) with ``unpack`` to read them back.
-
-What differs: writes execute as ``memmove`` on a worker thread, into the peer's memory
-mapped through ``/dev/shm``; so registered memory must live in a ``/dev/shm`` mapping
-(found through ``/proc/self/maps``), and the ``ipcHandle`` field carries that file's
-path and offset instead of a GPU IPC handle. A remote engine whose process is gone makes
-its writes fail. Only CPU memory is supported. Inbound-status popping is not faked.
+What differs: writes execute as ``memmove`` on a worker thread, into the peer's memory mapped
+through ``/dev/shm`` (so registered memory must live in a ``/dev/shm`` mapping, and
+``ipcHandle`` carries that file's path and offset instead of a GPU IPC handle). A remote
+engine whose process is gone makes its writes fail. CPU memory only; inbound-status popping is
+not faked.
 """
 
 from __future__ import annotations

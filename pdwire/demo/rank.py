@@ -19,23 +19,13 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
-from pdwire import wire
 from pdwire.demo import register_mori_fake
-from pdwire.demo.content import (
-    RoomSlots,
-    fill,
-    fill_sentinel,
-    full_tensors,
-    pages_for,
-    reset,
-    untouched_problems,
-    verify,
-)
-from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.demo.content import RoomSlots, untouched_problems
+from pdwire.demo.model import Capacity, ModelSpec
+from pdwire.demo.serve_model import DemoServeMemory, DemoServeRank, model_fingerprint
 from pdwire.runtime import engine as pd
 from pdwire.runtime.backends import shm
 
@@ -62,55 +52,6 @@ class RankConfig:
     bind: str = "tcp://127.0.0.1:0"
     backend_options: Mapping[str, object] = field(default_factory=dict)
     fence_timeout_s: float | None = None  # decode: DecodeConfig.fence_timeout_s (None: its default)
-    peer_timeout_s: float = 5.0  # decode: DecodeConfig.peer_timeout_s
-
-
-def model_fingerprint(spec: ModelSpec) -> wire.ModelFingerprint:
-    return wire.ModelFingerprint(
-        model_name="pdwire-demo-hybrid-mla" if spec.mla else "pdwire-demo-hybrid",
-        revision=spec.fingerprint().hex(),
-        dtype="int16",
-        num_layers=spec.layers,
-        num_attention_layers=spec.layers,
-        num_state_layers=spec.mamba_layers,
-    )
-
-
-class SlotPool:
-    """Free pages/slots of one rank; random picks, so rooms are scattered through the pools."""
-
-    def __init__(self, cap: Capacity, seed: int) -> None:
-        self.pages = list(range(cap.pages))
-        self.slots = list(range(1, cap.slots))  # slot 0 is the dummy Mamba slot
-        self.swa = list(range(cap.swa_pages))
-        self.aux = list(range(cap.aux_items))
-        self.rng = np.random.default_rng(seed)
-
-    def _take(self, free: list[int], n: int, what: str) -> list[int]:
-        if n > len(free):
-            raise MemoryError(f"out of {what}: need {n}, {len(free)} free")
-        picks = sorted(self.rng.choice(len(free), size=n, replace=False).tolist(), reverse=True)
-        return [free.pop(i) for i in picks]
-
-    def take(self, spec: ModelSpec, tokens: int) -> RoomSlots:
-        pages, swa = pages_for(spec, tokens)
-        if pages > len(self.pages) or swa > len(self.swa) or not self.slots or not self.aux:
-            raise MemoryError(
-                f"out of memory for {tokens} tokens: {len(self.pages)} KV pages, {len(self.slots)} Mamba "
-                f"slots, {len(self.swa)} SWA pages, {len(self.aux)} aux items free"
-            )
-        return RoomSlots(
-            np.asarray(self._take(self.pages, pages, "KV pages"), dtype=np.int32),
-            self._take(self.slots, 1, "Mamba slots")[0],
-            np.asarray(self._take(self.swa, swa, "SWA pages"), dtype=np.int32),
-            self._take(self.aux, 1, "aux items")[0],
-        )
-
-    def give(self, s: RoomSlots) -> None:
-        self.pages += s.pages.tolist()
-        self.slots.append(s.slot)
-        self.swa += s.swa_pages.tolist()
-        self.aux.append(s.aux)
 
 
 def rank_main(cfg: RankConfig, conn: Connection) -> None:
@@ -134,9 +75,9 @@ def rank_main(cfg: RankConfig, conn: Connection) -> None:
         os._exit(0)  # skip engine atexit hooks that can hang on a half-torn-down peer
 
 
-def _setup(cfg: RankConfig) -> tuple[pd.Backend, RankCaches, dict[str, Any]]:
-    """The rank's backend, its caches carved out of memory allocated through it, and the
-    fields both worker configs share."""
+def _setup(cfg: RankConfig) -> tuple[pd.Backend, DemoServeMemory, DemoServeRank, dict[str, Any]]:
+    """The rank's backend, its memory allocated through it, and the fields both worker configs
+    share."""
     register_mori_fake()  # a forkserver child: the parent's registrations are not inherited
     backend = pd.create_backend(
         cfg.backend,
@@ -144,8 +85,10 @@ def _setup(cfg: RankConfig) -> tuple[pd.Backend, RankCaches, dict[str, Any]]:
         transfer_timeout_s=cfg.transfer_timeout_s,
         **cfg.backend_options,
     )
-    buf = backend.allocate("caches", bytes_needed(cfg.spec, cfg.tp, cfg.rank, cfg.capacity))
-    caches = build_caches(cfg.spec, cfg.tp, cfg.rank, cfg.capacity, buf.array)
+    model = DemoServeMemory(cfg.spec, cfg.capacity, cfg.seed)
+    mem = model.open_rank(
+        cfg.tp, cfg.rank, backend, cfg.seed * (7919 if cfg.role == "prefill" else 104729) + cfg.rank
+    )
     common = {
         "engine_id": cfg.engine_id,
         "rank": pd.ParallelRank(tp_size=cfg.tp, tp_rank=cfg.rank),
@@ -155,25 +98,24 @@ def _setup(cfg: RankConfig) -> tuple[pd.Backend, RankCaches, dict[str, Any]]:
         "versions": cfg.versions,
         "control_auth": cfg.control_auth,
     }
-    return backend, caches, common
+    return backend, model, mem, common
 
 
 def _prefill(cfg: RankConfig, conn: Connection) -> None:
-    backend, caches, common = _setup(cfg)
-    pool = SlotPool(cfg.capacity, cfg.seed * 7919 + cfg.rank)
+    backend, model, mem, common = _setup(cfg)
     held: dict[int, RoomSlots] = {}
 
     def released(room: int, status: pd.Status, failure: pd.Failure | None) -> None:
         s = held.pop(room, None)
         if s is not None:
-            pool.give(s)
+            mem.give(s)
         span = worker.spans.pop(room, [0.0, 0.0])
         conn.send(("prefill_done", cfg.rank, room, status.name, failure.reason if failure else "", span))
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = pd.PrefillWorker(
         pd.PrefillConfig(bind=cfg.bind, **common),
-        caches.memory,
+        mem.memory,
         backend=backend,
         context=ctx,
         on_released=released,
@@ -199,9 +141,9 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
             cmd = conn.recv()
             if cmd[0] == "prefill":
                 _, room, tokens = cmd
-                slots = pool.take(cfg.spec, tokens)
+                slots = mem.take(tokens)
                 held[room] = slots
-                fill(caches, slots, full_tensors(cfg.spec, cfg.seed, room, tokens))
+                mem.fill(slots, model.content(room, tokens))
                 pages = len(slots.pages)
                 t = time.monotonic()
                 for i, start in enumerate(range(0, pages, cfg.chunk_pages)):
@@ -215,9 +157,8 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
 
 
 def _decode(cfg: RankConfig, conn: Connection) -> None:
-    backend, caches, common = _setup(cfg)
-    fill_sentinel(caches)
-    pool = SlotPool(cfg.capacity, cfg.seed * 104729 + cfg.rank)
+    backend, model, mem, common = _setup(cfg)
+    mem.prepare()
     rooms: dict[int, tuple[RoomSlots, int, float]] = {}  # until the worker releases their slots
     fenced: set[int] = set()  # failed rooms whose senders may still write: never checked
 
@@ -226,7 +167,7 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
         latency = time.perf_counter() - t0
         problems: list[str] = []
         if status is pd.Status.SUCCESS:
-            problems = verify(caches, slots, full_tensors(cfg.spec, cfg.seed, room, tokens))
+            problems = mem.verify(slots, model.content(room, tokens))
         else:
             fenced.add(room)
         reason = failure.reason if failure else ""
@@ -237,8 +178,8 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
         # or the fence timed out, which the worker counts): wipe what landed and reuse them.
         slots, _, _ = rooms.pop(room)
         fenced.discard(room)
-        reset(caches, slots)
-        pool.give(slots)
+        mem.clear(slots)
+        mem.give(slots)
         conn.send(("slots_released", cfg.rank, room, time.perf_counter()))
 
     groups: dict[str, pd.PrefillGroup] = {}  # prefill engine id -> what connect() returned
@@ -253,8 +194,8 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
 
     ctx: zmq.Context[Any] = zmq.Context()
     worker = pd.DecodeWorker(
-        pd.DecodeConfig(fence_timeout_s=cfg.fence_timeout_s, peer_timeout_s=cfg.peer_timeout_s, **common),
-        caches.memory,
+        pd.DecodeConfig(fence_timeout_s=cfg.fence_timeout_s, **common),
+        mem.memory,
         backend=backend,
         context=ctx,
         on_finished=finished,
@@ -278,17 +219,17 @@ def _decode(cfg: RankConfig, conn: Connection) -> None:
                 _, room, tokens, engine, timeout_s = cmd
                 try:
                     worker.check_free(room)  # before taking memory for it
-                    slots = pool.take(cfg.spec, tokens)
+                    slots = mem.take(tokens)
                     rooms[room] = (slots, tokens, time.perf_counter())
-                    worker.start_room(room, slots.request(cfg.spec), groups[engine], timeout_s=timeout_s)
+                    worker.start_room(room, mem.request(slots), groups[engine], timeout_s=timeout_s)
                 except pd.DuplicateRoomError as exc:
                     conn.send(
                         ("room_done", cfg.rank, room, "FAILED", f"duplicate_room: {exc}", 0.0, [], True, 0.0)
                     )
             elif cmd[0] == "stop":
                 for room in fenced:
-                    reset(caches, rooms[room][0])
-                problems = untouched_problems(caches)
+                    mem.clear(rooms[room][0])
+                problems = untouched_problems(mem.caches)
                 conn.send(("final", "decode", cfg.rank, asdict(worker.stats), problems))
                 worker.close()
                 backend.close()
