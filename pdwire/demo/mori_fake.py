@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from pdwire.runtime.backends import shm
-from pdwire.runtime.backends.jobs import Job, JobWorker
+from pdwire.runtime.backends.jobs import Job, JobThread
 from pdwire.runtime.backends.metadata import pid_alive
 from pdwire.runtime.backends.mori import MoriBackend
 from pdwire.runtime.backends.values import DONE, HostBuffer, PollResult
@@ -154,7 +154,7 @@ class IOEngine:
         self._ids = itertools.count(1)
         self._uids = itertools.count(1)
         self._lock = threading.Lock()
-        self._worker = JobWorker(f"mori-fake-{key}")
+        self._worker = JobThread(f"mori-fake-{key}")
 
     def get_engine_desc(self) -> EngineDesc:
         return self._desc

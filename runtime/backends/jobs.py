@@ -33,7 +33,7 @@ class Job:
         return self.status if self.finished.is_set() else PENDING
 
 
-class JobWorker:
+class JobThread:
     def __init__(self, name: str, threads: int = 1, on_done: Callable[[], None] | None = None) -> None:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._on_done = on_done  # told after each job's final status is published (a wake-up)
@@ -84,7 +84,7 @@ class JobTransfers:
     """
 
     transfer_timeout_s: float
-    _worker: JobWorker
+    _worker: JobThread
 
     def _submit(self, handle: TransferHandle, run: Callable[[Job], PollResult]) -> Job:
         """Queue ``run`` for ``handle``; engines with more than one worker pick one here."""

@@ -45,7 +45,7 @@ import numpy.typing as npt
 from pdwire.runtime.backends import peer_memory, possession, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobThread
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
 from pdwire.runtime.backends.values import (
     DONE,
@@ -135,7 +135,7 @@ class LocalBackend(JobTransfers, Backend):
         # after dropping one in) wake the owner's poller
         self._waker = Waker()
         self._inbox_waker = DatagramWaker(f"{self._inbox.path}/{WAKE_NAME}")
-        self._worker = JobWorker(f"pdwire-local-{self.agent_name}", on_done=self._waker.set)
+        self._worker = JobThread(f"pdwire-local-{self.agent_name}", on_done=self._waker.set)
         self._processes: set[_Process] = set()  # of the peers added and not yet removed
         with _live_lock:
             _live[self._inbox.path] = self

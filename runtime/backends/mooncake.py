@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import BackendUnavailable, PeerError, RegistrationError, TransferError
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobWorker
+from pdwire.runtime.backends.jobs import Job, JobTransfers, JobThread
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
 from pdwire.runtime.backends.support import batches
 from pdwire.runtime.backends.values import (
@@ -89,7 +89,7 @@ def _from_msg(msg: str) -> bytes:
 @dataclass(eq=False)
 class _Remote:
     session: str  # "<host>:<rpc port>", Mooncake's name for the peer
-    worker: JobWorker
+    worker: JobThread
 
 
 class MooncakeBackend(JobTransfers, Backend):
@@ -144,7 +144,7 @@ class MooncakeBackend(JobTransfers, Backend):
             )
         self.session_name = f"{hostname}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._workers: list[JobWorker] = []  # every peer's, stopped at close
+        self._workers: list[JobThread] = []  # every peer's, stopped at close
         self._waker = Waker()
 
     def _allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -186,7 +186,7 @@ class MooncakeBackend(JobTransfers, Backend):
         if not host or not port.isdigit():
             raise PeerError(f"peer {md.agent_name!r} published Mooncake session {session!r}, not host:port")
         self._check_reachable(md.agent_name, session, host.strip("[]"), int(port), md.regions)
-        worker = JobWorker(f"pdwire-mooncake-{md.agent_name}"[:60], self.threads_per_peer, self._waker.set)
+        worker = JobThread(f"pdwire-mooncake-{md.agent_name}"[:60], self.threads_per_peer, self._waker.set)
         self._workers.append(worker)
         return Peer(md.agent_name, md.regions, md.pid, _Remote(session, worker), dst_delta=md.window)
 
