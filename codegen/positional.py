@@ -8,21 +8,17 @@ templates (``macros.j2``, one macro per direction, switching on the encoding) ho
 code: which ``pdwire.wirecore.positional.encodings`` call reads or writes it, the inline common
 case, what an absent frame decodes to.
 
-Per-field keys: ``frame`` (wire index, guard frames included), ``encoding`` (see
-:data:`ENCODINGS`), ``fallback``: ``empty`` (an empty frame decodes to the default, as a
-parser's ``or default`` does), ``blank`` (the default travels as an empty frame), ``omit``
-(the builder leaves this last frame out when it holds the default). Per-message keys:
-``backend``, ``min_frames`` (frames from this index on may be missing and then decode to
-their defaults; one count or one per version), ``match`` (frame -> ``dec``/``not_dec``
-predicates that, with the ``const`` frames, recognise the message), ``checks`` and
-``derived`` (functions of the protocol's ``rules`` module: cross-frame problems, and
-read-only properties such as a backend's dummy rule).
+The schema keys (per field ``frame``, ``encoding`` (see :data:`ENCODINGS`), ``fallback``; per
+message ``backend``, ``min_frames``, ``match``, ``checks``, ``derived``) are described in
+docs/wire.md ("Positional layout").
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from pdwire.wirecore.positional.codec import PREDICATES
 
 from .errors import SchemaError, where
 from .model import INT_RANGES, Field, Message, Protocol, TypeRef, Version, format_version
@@ -47,7 +43,6 @@ ENCODINGS: dict[str, frozenset[str]] = {
     "raw": frozenset({"blob", "bytes"}),
 }
 FALLBACKS = frozenset({"empty", "blank", "omit"})
-PREDICATES = frozenset({"dec", "not_dec"})
 # encodings.read_int* compare a decimal read from digits alone with the upper bound only
 assert all(lo <= 0 for lo, _ in INT_RANGES.values()), "an integer type with a positive lower bound"
 _DERIVED_RE = re.compile(r"^([a-z_][a-z0-9_]*)\s*->\s*(.+)$")
@@ -150,9 +145,6 @@ def _check_frames(p: Protocol, m: Message, v: Version) -> None:
 
 
 # --- views -------------------------------------------------------------------------------------
-# The views say what each frame is (its encoding, type, default, whether it may be missing);
-# the templates in ``templates/positional/`` say how it becomes code, one macro per direction
-# switching on the encoding (``macros.j2``), as the envelope layout's do on the type kind.
 @dataclass(frozen=True)
 class FrameView:
     """One frame of a message at one version: a field, or a fixed (``const``) frame."""
