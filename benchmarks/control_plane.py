@@ -124,7 +124,7 @@ def codec_baseline(n: int = 20000) -> float:
     return statistics.median(samples) * 1e6
 
 
-def measure(backend: str, rounds: int) -> dict[str, Any]:
+def measure(backend: str, rounds: int) -> dict[int, list[Any]]:
     try:
         from pdwire.demo.cluster import Cluster, busy_seconds
         from pdwire.demo.model import Capacity, ModelSpec
@@ -135,7 +135,7 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
     spec = ModelSpec(layers=1, kv_heads=2, head_dim=16, page_size=16, mamba_layers=1, conv_blocks=(4, 4, 8),
                      ssm_heads=2, ssm_head_dim=4, ssm_state=4, swa_layers=1, swa_window_pages=1)  # fmt: skip
     cap = Capacity(pages=256, slots=140, swa_pages=256, aux_items=140)
-    out: dict[str, Any] = {"backend": backend}
+    out: dict[int, list[Any]] = {}  # per concurrency: requests, then the table's columns in seconds
     with Cluster(spec, cap, backend, room_timeout_s=60.0, chunk_pages=1) as c:
         pre = c.start("prefill", 1, "bench-pre")
         dec = c.start("decode", 1, "bench-dec")
@@ -173,15 +173,9 @@ def measure(backend: str, rounds: int) -> dict[str, Any]:
                     busy = busy_seconds([spans[r.room] for r in results], window)
                     amortised.append((wall - busy) / len(results))
                     wall_per_request.append(wall / len(results))
-            out[f"c{conc}"] = {
-                "requests": len(per_req),
-                "latency_p50_us": statistics.median(per_req) * 1e6,
-                "latency_p99_us": float(np.percentile(per_req, 99)) * 1e6,
-                "data_p50_us": statistics.median(data) * 1e6,
-                "overhead_p50_us": statistics.median(overhead) * 1e6,
-                "amortised_us": statistics.median(amortised) * 1e6 if amortised else None,
-                "wall_per_request_us": statistics.median(wall_per_request) * 1e6 if amortised else None,
-            }
+            p50, p99 = statistics.median, float(np.percentile(per_req, 99))
+            batch_figures = [p50(amortised), p50(wall_per_request)] if amortised else [None, None]
+            out[conc] = [len(per_req), p50(per_req), p99, p50(data), p50(overhead), *batch_figures]
         c.stop(dec)
         c.stop(pre)
     return out
@@ -203,19 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     cols = ("latency p50", "latency p99", "data p50", "overhead p50", "amortised/request", "wall/request")
     print(head("backend", "concurrent", "requests", *cols))
     for backend in args.backends.split(","):
-        r = measure(backend, args.rounds)
-        for conc in (1, 64):
-            m = r[f"c{conc}"]
-            keys = (
-                "latency_p50_us",
-                "latency_p99_us",
-                "data_p50_us",
-                "overhead_p50_us",
-                "amortised_us",
-                "wall_per_request_us",
-            )
-            ms = ["-" if m[k] is None else f"{m[k] / 1e3:.3f} ms" for k in keys]
-            print(table_row([backend, conc, m["requests"], *ms]))
+        for conc, (requests, *seconds) in measure(backend, args.rounds).items():
+            ms = ["-" if x is None else f"{x * 1e3:.3f} ms" for x in seconds]
+            print(table_row([backend, conc, requests, *ms]))
         sys.stdout.flush()
     print()
     print(f"machine speed at start: {ref_start}; at end: {reference_us()}")
