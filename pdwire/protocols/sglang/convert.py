@@ -166,10 +166,13 @@ def from_transfer_status(st: pw.TransferStatus, backend: str) -> Status:
     common: dict[str, Any] = dict(
         room=st.room, status=sg.KVPoll(int(st.status)), prefill_rank=st.sender_rank, reason=st.reason or None
     )
-    cls = {"mooncake": sg.MooncakeStatus, "nixl": sg.NixlStatus, "mori": sg.MoriStatus}.get(backend)
-    if cls is None:
-        raise _err("unknown backend (mooncake, nixl or mori)", backend, "Status")
-    return cls(**common)
+    if backend == "mooncake":
+        return sg.MooncakeStatus(**common)
+    if backend == "nixl":
+        return sg.NixlStatus(**common)
+    if backend == "mori":
+        return sg.MoriStatus(**common)
+    raise _err("unknown backend (mooncake, nixl or mori)", backend, "Status")
 
 
 # --- register -------------------------------------------------------------------------------------
