@@ -7,20 +7,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.session import (
-    DecodeSession,
-    DuplicateRoomError,
-    Failure,
-    FailureKind,
-    NotificationKind,
-    PeerRef,
-    ReleaseRoom,
-    ReleaseSlots,
-    RevokePeer,
-    SendAbort,
-    SenderPlan,
-    Status,
-)
+from pdwire.runtime.session.actions import PeerRef, ReleaseRoom, ReleaseSlots, RevokePeer, SendAbort
+from pdwire.runtime.session.decode_room import SenderPlan
+from pdwire.runtime.session.decode_session import DecodeSession
+from pdwire.runtime.session.failures import DuplicateRoomError, Failure, FailureKind
+from pdwire.runtime.session.status import Status
+from pdwire.wire import NotificationKind
 
 ROOM = 9
 Completion = tuple[int, NotificationKind, int, bool, int]  # sender, kind, chunk, is_last, component

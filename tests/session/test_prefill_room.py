@@ -8,25 +8,22 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.session import (
+from pdwire.runtime.session.actions import (
     Action,
     AuxPart,
     CancelTransfers,
-    Failure,
-    FailureKind,
     KvPart,
     PeerRef,
     PostTransfer,
-    PrefillSession,
-    ProtocolViolation,
     ReleaseRoom,
     SendAbortAck,
     SendStatus,
     StatePart,
-    Status,
-    Target,
 )
-from pdwire.runtime.session.prefill_room import Destination
+from pdwire.runtime.session.failures import Failure, FailureKind, ProtocolViolation
+from pdwire.runtime.session.prefill_room import Destination, Target
+from pdwire.runtime.session.prefill_session import PrefillSession
+from pdwire.runtime.session.status import Status
 
 ROOM = 42
 COMPONENTS = 4

@@ -24,24 +24,19 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from pdwire.runtime.indices import RequestIndices
-from pdwire.runtime.session import (
-    DecodeSession,
-    Failure,
-    FailureKind,
-    NotificationKind,
-    PeerRef,
-    PostTransfer,
-    PrefillSession,
-    ProtocolViolation,
-    SenderPlan,
-    Status,
-)
 from pdwire.runtime.session import states as S
+from pdwire.runtime.session.actions import PeerRef, PostTransfer
 from pdwire.runtime.session.decode_connection import DecodeConnection, Expected
+from pdwire.runtime.session.decode_room import SenderPlan
+from pdwire.runtime.session.decode_session import DecodeSession
 from pdwire.runtime.session.events import AddPeer
+from pdwire.runtime.session.failures import Failure, FailureKind, ProtocolViolation
 from pdwire.runtime.session.group_connect import GroupConnect, GroupIdentity, LinkSpec, OpenLink
 from pdwire.runtime.session.prefill_connection import PrefillConnection
 from pdwire.runtime.session.prefill_room import PrefillRoom
+from pdwire.runtime.session.prefill_session import PrefillSession
+from pdwire.runtime.session.status import Status
+from pdwire.wire import NotificationKind
 
 from pdwire import wire
 from tests.session.test_connections import decode_local, prefill_local
