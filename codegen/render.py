@@ -250,10 +250,6 @@ class MajorView:
     def top_level(self) -> list[MessageView]:
         return sorted((m for m in self.messages if m.type_id is not None), key=lambda m: m.type_id or 0)
 
-    @cached_property
-    def by_name(self) -> dict[str, MessageView]:
-        return {m.name: m for m in self.messages}
-
     @property
     def text(self) -> str:
         return (
