@@ -2,42 +2,17 @@
 
 SGLang's schedulers drive a transfer backend through four classes
 (``sglang.srt.disaggregation.base.conn``); these implement them over pdwire's engine-facing
-runtime (``pdwire.runtime.engine``), nothing else:
+runtime (``pdwire.runtime.engine``) alone. :class:`PdwireKVManager` (one per scheduler rank)
+runs a pdwire worker on a ``WorkerThread`` (the scheduler thread only queues calls and reads
+statuses, it never waits on a transfer) and meets its peers through SGLang's own bootstrap
+server (``PUT``/``GET /route``); :class:`PdwireKVSender` and :class:`PdwireKVReceiver` are
+one request each; ``is_abort_release_safe`` is pdwire's fence (a failed room's pages are
+reusable once every prefill rank that could write them stopped). docs/sglang.md tells how
+each maps onto SGLang, the environment variables and what is refused.
 
-* :class:`PdwireKVManager` (one per scheduler rank) describes the rank's memory from
-  ``KVArgs`` (:mod:`.memory`), builds a pdwire ``PrefillWorker`` or ``DecodeWorker`` and runs
-  it on a ``WorkerThread``: the scheduler thread only queues calls and reads statuses, it never
-  waits on a transfer. The rank's geometry (attention TP, PP, attention DP) comes from SGLang's
-  parallel state, as for SGLang's own backends. A prefill rank registers its pdwire endpoint
-  (``rank_ip``/``rank_port`` of the worker's ROUTER socket) with SGLang's own bootstrap server
-  (``PUT /route``); a decode rank reads the prefill topology and the endpoints from it
-  (``GET /route``) and handshakes with the prefill ranks its routing names, once per prefill
-  DP group (again when that engine comes back with new endpoints after a rank was lost).
-  Prefill may run in PP stages (decode with one): each stage's layers are placed on decode by
-  their model-wide position, which the plugin completes from the pools where ``KVArgs`` lacks
-  it (``memory.PoolLayers``).
-* :class:`PdwireKVSender` (prefill, one per request) hands each chunk's pages to the worker;
-  the state indices and the aux index ride on the last chunk. ``poll`` reads the room's
-  status: Bootstrapping until every decode rank asked, WaitingForInput, Transferring, and
-  Success or Failed once nothing of the room is in flight any more (the worker's
-  ``on_released``).
-* :class:`PdwireKVReceiver` (decode, one per request) asks for the room with the request's
-  pages, per-component state indices, aux index and decode prefix length; ``poll`` reports
-  Success or Failed when the worker finished the room (``on_finished``).
-  ``is_abort_release_safe`` and the manager's ``supports_deferred_decode_kv_release`` are
-  pdwire's fence: a failed room's destination pages are safe to reuse once every prefill
-  rank that could write into them confirmed it stopped (``on_slots_released``).
-* :class:`PdwireKVBootstrapServer` is SGLang's own ``CommonKVBootstrapServer``.
-
-pdwire peers only talk to pdwire peers: a decode rank of another backend cannot connect to a
-pdwire prefill rank (ZMQ refuses the socket pairing) and the handshake times out naming the
-endpoint; to read or convert the frames today's backends send, use pdwire's SGLang profile
-(``pdwire.wire.sglang``, ``pdwire inspect``).
-
-Environment: ``PDWIRE_SGLANG_BACKEND`` picks the transfer backend (``nixl``, ``mooncake``,
-``local``; default NIXL when it imports), ``PDWIRE_ENGINE_ID`` overrides the engine id.
-SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``..._WAITING_TIMEOUT`` bound the
-waits as they do for its own backends.
+pdwire peers only talk to pdwire peers (ZMQ refuses another backend's socket pairing and the
+handshake times out naming the endpoint); the frames today's backends send are read by
+pdwire's SGLang profile (``pdwire.wire.sglang``, ``pdwire inspect``).
 """
 
 from __future__ import annotations
@@ -106,12 +81,9 @@ def _env_timeout(name: str, default: float) -> float:
 
 
 def _memory_kind() -> pd.MemoryKind:
-    try:
-        import torch
+    import torch  # SGLang always has it
 
-        return pd.MemoryKind.VRAM if torch.cuda.is_available() else pd.MemoryKind.DRAM
-    except ImportError:  # pragma: no cover - SGLang always has torch
-        return pd.MemoryKind.DRAM
+    return pd.MemoryKind.VRAM if torch.cuda.is_available() else pd.MemoryKind.DRAM
 
 
 class _Driver:
@@ -307,12 +279,15 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
         return self.thread.submit(fn, *args, **kwargs)
 
+    def abort_room(self, room: int, reason: str) -> None:
+        self.submit(self.worker.abort, room, reason)
+
     # ------------------------------------------------------------------ callbacks (worker thread)
 
     def _on_released(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
         if failure is not None:
             self.failures[room] = failure.reason
-        self.outcomes[room] = (_POLL[status], None if failure is None else failure.reason)
+        self._on_finished(room, status, failure)
 
     def _on_finished(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
         self.outcomes[room] = (_POLL[status], None if failure is None else failure.reason)
@@ -357,8 +332,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             host = str(self.dist_init_addr).rsplit(":", 1)[0]
         else:
             host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.bootstrap_port}/route"
+        return f"http://{_bracket(host)}:{self.bootstrap_port}/route"
 
     def register_to_bootstrap(self) -> None:
         """``PUT /route``: this rank's pdwire endpoint in SGLang's bootstrap server."""
@@ -395,12 +369,11 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Read the prefill topology once (``GET /route`` with every index -1); False while
         the prefill instance is not fully registered (the scheduler retries)."""
-        if bootstrap_addr in self.prefill_info_table:
-            return True
-        info = self._fetch_info(bootstrap_addr)
-        if info is None:
-            return False
-        self.prefill_info_table[bootstrap_addr] = info
+        if bootstrap_addr not in self.prefill_info_table:
+            info = self._fetch_info(bootstrap_addr)
+            if info is None:
+                return False
+            self.prefill_info_table[bootstrap_addr] = info
         return True
 
     def _fetch_info(self, bootstrap_addr: str) -> PrefillServerInfo | None:
@@ -417,16 +390,14 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         data = response.json()
         fields = PrefillServerInfo.__dataclass_fields__
         info = PrefillServerInfo(**{k: v for k, v in data.items() if k in fields})
-        if info.page_size is not None and info.page_size != self.kv_args.page_size:
-            raise RuntimeError(
-                f"pdwire: prefill {bootstrap_addr} uses page size {info.page_size}, "
-                f"this decode {self.kv_args.page_size}"
-            )
-        if info.kv_cache_dtype is not None and info.kv_cache_dtype != self.kv_cache_dtype_str:
-            raise RuntimeError(
-                f"pdwire: prefill {bootstrap_addr} uses KV dtype {info.kv_cache_dtype}, this decode "
-                f"{self.kv_cache_dtype_str}"
-            )
+        for what, theirs, mine in (
+            ("page size", info.page_size, self.kv_args.page_size),
+            ("KV dtype", info.kv_cache_dtype, self.kv_cache_dtype_str),
+        ):
+            if theirs is not None and theirs != mine:
+                raise RuntimeError(
+                    f"pdwire: prefill {bootstrap_addr} uses {what} {theirs}, this decode {mine}"
+                )
         return info
 
     def _rank_endpoints(
@@ -538,8 +509,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
     def teardown(self) -> None:
         self.thread.close()
 
-    def close(self) -> None:
-        self.teardown()
+    close = teardown
 
 
 def _bracket(host: str) -> str:
@@ -551,26 +521,60 @@ def _tcp_endpoints(ranks: list[dict[str, Any]]) -> list[str]:
     return [f"tcp://{_bracket(r['rank_ip'])}:{int(r['rank_port'])}" for r in ranks]
 
 
-def _state_lists(state_indices: list[Any] | None, n: int, what: str) -> list[Any] | None:
-    """SGLang's per-component state payloads as pdwire's index arrays (None stays absent)."""
+def _flat(indices: Any) -> Any:
+    """A torch tensor, list or array of indices as one flat numpy array."""
+    return np.asarray(indices.cpu().numpy() if hasattr(indices, "cpu") else indices).reshape(-1)
+
+
+def _concat(idx: Any) -> Any:
+    parts = [_flat(p) for p in idx] if isinstance(idx, list | tuple) else [_flat(idx)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _state_lists(state_indices: list[Any] | None, n: int, what: str) -> list[Any]:
+    """SGLang's per-component state payloads as pdwire's index arrays (None: every component
+    absent; a None entry: that one)."""
     if state_indices is None:
-        return None
+        return [None] * n
     if len(state_indices) != n:
         raise pd.IndicesError(f"{what}: {len(state_indices)} state index lists for {n} state components")
-    out: list[Any] = []
-    for idx in state_indices:
-        if idx is None:
-            out.append(None)
-            continue
-        if hasattr(idx, "cpu"):  # a torch tensor
-            idx = idx.cpu().numpy()
-        parts = [np.asarray(p.cpu().numpy() if hasattr(p, "cpu") else p).reshape(-1) for p in idx] \
-            if isinstance(idx, list | tuple) else [np.asarray(idx).reshape(-1)]  # fmt: skip
-        out.append(np.concatenate(parts) if parts else np.zeros(0, np.int32))
-    return out
+    return [None if idx is None else _concat(idx) for idx in state_indices]
 
 
-class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
+class _Request:
+    """What a sender and a receiver share: the room, its outcome from the manager, its failure."""
+
+    kv_mgr: PdwireKVManager
+    bootstrap_room: int
+    conclude_state: KVPoll | None
+    _failure: str | None
+
+    def _outcome(self) -> KVPoll | None:
+        """The room's final state once the worker reported it (None before)."""
+        outcome = self.kv_mgr.outcomes.get(self.bootstrap_room)
+        if outcome is None:
+            return None
+        self.conclude_state, reason = outcome
+        if reason:
+            self._failure = reason
+        return self.conclude_state
+
+    def failure_exception(self) -> None:
+        self.conclude_state = KVPoll.Failed
+        reason = self._failure or self.kv_mgr.failures.get(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(
+            self.bootstrap_room, reason or "Failed due to an unknown reason from another rank",
+            is_from_another_rank=reason is None,
+        )  # fmt: skip
+
+    def clear(self) -> None:
+        self.kv_mgr.watched.pop(self.bootstrap_room, None)
+        self.kv_mgr.outcomes.pop(self.bootstrap_room, None)
+        self.kv_mgr.failures.pop(self.bootstrap_room, None)
+
+
+class PdwireKVSender(_Request, BaseKVSender):  # type: ignore[misc]
     """A prefill request's sender (see the module notes)."""
 
     def __init__(
@@ -626,20 +630,17 @@ class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
     ) -> None:
         if self.conclude_state is not None:
             return
-        if hasattr(kv_indices, "cpu"):
-            kv_indices = kv_indices.cpu().numpy()
-        pages = np.asarray(kv_indices).reshape(-1)
+        pages = _flat(kv_indices)
         self.curr_idx += len(pages)
         last = state_indices is not None or (
             self.num_kv_indices is not None and self.curr_idx >= self.num_kv_indices
         )
         try:
             state = _state_lists(state_indices, len(self.kv_mgr.memory.state), "send") if last else None
-            if last and state is None:
-                state = [None] * len(self.kv_mgr.memory.state)
         except (pd.IndicesError, ValueError) as exc:
-            self._fail(f"bad state indices: {exc}")
-            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure)
+            reason = f"bad state indices: {exc}"
+            self._fail(reason)
+            self.kv_mgr.abort_room(self.bootstrap_room, reason)
             return
         if self._start is None:
             self._start = time.perf_counter()
@@ -657,20 +658,17 @@ class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
         if exc is not None:  # refused indices: nothing was recorded; the room is given up
             self._failure = f"{type(exc).__name__}: {exc}"
             self.kv_mgr.failures[self.bootstrap_room] = self._failure
-            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure)
+            self.kv_mgr.abort_room(self.bootstrap_room, self._failure)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
         room = self.bootstrap_room
-        outcome = self.kv_mgr.outcomes.get(room)
+        outcome = self._outcome()
         if outcome is not None:
-            self.conclude_state, reason = outcome
-            if reason:
-                self._failure = reason
-            if self.conclude_state == KVPoll.Success and self._start is not None:
+            if outcome == KVPoll.Success and self._start is not None:
                 self._metric.transfer_latency_s = time.perf_counter() - self._start
-            return self.conclude_state
+            return outcome
         if self._failure is not None:
             return KVPoll.Transferring  # the abort is under way; Failed once it drained
         status = self.kv_mgr.watched.get(room, KVPoll.Bootstrapping)
@@ -679,7 +677,7 @@ class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
                 f"Request {room} timed out after {self.kv_mgr.bootstrap_timeout:.0f}s in KVPoll.Bootstrapping"
             )
             self._fail(reason)
-            self.kv_mgr.submit(self.kv_mgr.worker.abort, room, reason)
+            self.kv_mgr.abort_room(room, reason)
             return KVPoll.Failed
         if status in (KVPoll.Success, KVPoll.Failed):
             return KVPoll.Transferring  # terminal in the worker; final once on_released ran
@@ -687,26 +685,10 @@ class PdwireKVSender(BaseKVSender):  # type: ignore[misc]
 
     poll_pp_consensus = poll
 
-    def failure_exception(self) -> None:
-        self.conclude_state = KVPoll.Failed
-        reason = self._failure or self.kv_mgr.failures.get(self.bootstrap_room)
-        self.clear()
-        raise KVTransferError(
-            self.bootstrap_room, reason or "Failed due to an unknown reason from another rank",
-            is_from_another_rank=reason is None,
-        )  # fmt: skip
-
     def abort(self) -> None:
-        if self.conclude_state is None or self.conclude_state != KVPoll.Failed:
+        if self.conclude_state != KVPoll.Failed:
             self._fail("Aborted by AbortReq.")
-            self.kv_mgr.submit(
-                self.kv_mgr.worker.abort, self.bootstrap_room, "aborted by the prefill scheduler"
-            )
-
-    def clear(self) -> None:
-        self.kv_mgr.watched.pop(self.bootstrap_room, None)
-        self.kv_mgr.outcomes.pop(self.bootstrap_room, None)
-        self.kv_mgr.failures.pop(self.bootstrap_room, None)
+            self.kv_mgr.abort_room(self.bootstrap_room, "aborted by the prefill scheduler")
 
 
 def _send_chunk(
@@ -718,8 +700,10 @@ def _send_chunk(
     worker.send_chunk(room, pages, last=last, state=state, aux_index=aux)
 
 
-class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
+class PdwireKVReceiver(_Request, BaseKVReceiver):  # type: ignore[misc]
     """A decode request's receiver (see the module notes)."""
+
+    supports_host_destination = False
 
     def __init__(self, mgr: PdwireKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr = mgr
@@ -735,10 +719,6 @@ class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._started: Future[Any] | None = None
         self._failure: str | None = None
         self._created = time.time()
-
-    @property
-    def supports_host_destination(self) -> bool:
-        return False
 
     def _fail(self, reason: str) -> None:
         self._failure = self._failure or reason
@@ -777,12 +757,9 @@ class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             self._fail("send_metadata before the prefill group was connected")
             return
         try:
-            if hasattr(kv_indices, "cpu"):
-                kv_indices = kv_indices.cpu().numpy()
             n = len(self.kv_mgr.memory.state)
-            state = _state_lists(state_indices, n, "send_metadata") if n else []
             indices = pd.RequestIndices(
-                np.asarray(kv_indices).reshape(-1), state if state is not None else [None] * n,
+                _flat(kv_indices), _state_lists(state_indices if n else None, n, "send_metadata"),
                 aux_index=aux_index, decode_prefix_len=int(decode_prefix_len or 0),
             )  # fmt: skip
         except (pd.IndicesError, ValueError) as exc:
@@ -809,25 +786,12 @@ class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return KVPoll.Failed
         if self._started is None:
             return KVPoll.WaitingForInput
-        if self._started.done() and self._started.exception() is not None:
-            self._fail(f"{type(self._started.exception()).__name__}: {self._started.exception()}")
+        exc = self._started.exception() if self._started.done() else None
+        if exc is not None:
+            self._fail(f"{type(exc).__name__}: {exc}")
             return KVPoll.Failed
-        outcome = self.kv_mgr.outcomes.get(self.bootstrap_room)
-        if outcome is not None:
-            self.conclude_state, reason = outcome
-            if reason:
-                self._failure = reason
-            return self.conclude_state
-        return KVPoll.WaitingForInput
-
-    def failure_exception(self) -> None:
-        self.conclude_state = KVPoll.Failed
-        reason = self._failure
-        self.clear()
-        raise KVTransferError(
-            self.bootstrap_room, reason or "Failed due to an unknown reason from another rank",
-            is_from_another_rank=reason is None,
-        )  # fmt: skip
+        outcome = self._outcome()  # KVPoll.Failed is 0: no `or`
+        return KVPoll.WaitingForInput if outcome is None else outcome
 
     def abort(self) -> None:
         if self.conclude_state != KVPoll.Failed:
@@ -840,15 +804,12 @@ class PdwireKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return
         self.abort_notified = True
         if self._started is not None:
-            self.kv_mgr.submit(self.kv_mgr.worker.abort, self.bootstrap_room, self._failure or "aborted")
+            self.kv_mgr.abort_room(self.bootstrap_room, self._failure or "aborted")
         else:  # nothing was asked for: nothing can be written
             self.kv_mgr.released[self.bootstrap_room] = None
 
     def is_abort_release_safe(self) -> bool:
         return self._started is None or self.bootstrap_room in self.kv_mgr.released
-
-    def clear(self) -> None:
-        self.kv_mgr.outcomes.pop(self.bootstrap_room, None)
 
 
 __all__ = [

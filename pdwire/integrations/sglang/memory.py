@@ -1,45 +1,23 @@
 """SGLang's ``KVArgs`` as pdwire's memory description (``RankMemory``).
 
 Pure: it reads the fields SGLang 0.5.23's ``PrefillBootstrapQueue._init_kv_manager`` and
-``DecodePreallocQueue._init_kv_manager`` fill (``get_contiguous_buf_infos`` of the pools,
-``setup_state_kv_args``, the metadata buffers) and never imports SGLang, so it is testable
+``DecodePreallocQueue._init_kv_manager`` fill and never imports SGLang, so it is testable
 without it. What SGLang lays out:
 
-* **KV**: ``kv_data_ptrs`` is ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]`` per layer buffer (MLA: one
-  latent per layer), a draft model's own ``[K.., V..]`` appended (``num_draft_entries``);
-  ``kv_item_lens[l]`` is one page of layer ``l``; pages are token-major (NHD, the only layout
-  SGLang's PD transfer supports for MHA). ``kv_head_num`` is the heads per rank,
-  ``total_kv_head_num`` the model's.
+* **KV**: ``kv_data_ptrs`` is ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]`` (MLA: one latent per
+  layer), a draft model's own ``[K.., V..]`` appended (``num_draft_entries``);
+  ``kv_item_lens[l]`` is one token-major (NHD) page of layer ``l``.
 * **State**: one pdwire component per entry of ``state_types``, in that order (both sides
-  build the list with the same code, and pdwire matches components by position and checks
-  their kinds). Entries are tensor-major x layer; ``state_layer_ids`` names each entry's
-  layer, which says where one tensor ends. ``state_dim_per_tensor`` is the rank's size of the
-  TP-sharded axis (0: replicated), ``state_slice_outer_counts`` the rows in front of it,
-  ``state_conv_shard_groups`` the full sizes of independently sharded sub-blocks (GDN q|k|v).
+  build the list with the same code; pdwire matches components by position and checks their
+  kinds). Entries are tensor-major x layer; ``state_layer_ids`` names each entry's layer,
+  which says where one tensor ends. How each of SGLang's 13 kinds is indexed and sharded is
+  the table in docs/sglang.md.
 * **Aux**: ``aux_data_ptrs`` / ``aux_item_lens``, host memory, one item per request.
-
-How each of SGLang's 13 kinds is carried:
-
-========================  ========  ===============================================
-kind                      indexing  sharding across TP
-========================  ========  ===============================================
-mamba                     slot      per tensor axis (dims, outer rows, sub-blocks)
-swa                       page      by KV head like KV (non-MLA); replicated (MLA)
-dsa (nsa)                 page      replicated (the indexer K is the same on every rank)
-qsa_compressed,           page      unknown: moved between equal TP sizes only, a TP
-minimax_index_k,                    mismatch is refused by name at the handshake
-minimax_dense_kv,
-block_scale(_swa)
-qsa_pending, swa_ring,    row       unknown (equal TP only, as above)
-c128_state, request_row
-dsa_tail                  --        refused by name (its indices are ring segments)
-========================  ========  ===============================================
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -67,18 +45,12 @@ def fill_decode_heads(args: Any) -> None:
 @dataclass(frozen=True, slots=True)
 class PoolLayers:
     """Where a rank's layers sit in the model, read from SGLang's pools by the plugin's hooks on
-    the queues' ``_init_kv_manager`` where ``KVArgs`` leaves it out.
-
-    SGLang 0.5.23's ``KVArgs`` place a PP stage's layers for a ``HybridLinearKVPool`` (the
-    Mamba state's global ``state_layer_ids``; a ``prefill_start_layer`` that counts
-    full-attention layers) and for plain MHA/MLA pools (``start_layer``). For an ``SWAKVPool``
-    they carry no layer ids and ``prefill_start_layer`` is its ``start_layer``, which SWAKVPool
-    fixes at 0 on every PP stage; for Mamba state in the request pool no layer ids either. A PP
-    stage holds a slice of the layers, so pdwire needs them: ``kv_start`` is the
-    full-attention-relative index of the rank's first KV layer (None: SGLang's value holds;
-    ``kv_start_missing``: SGLang's value is wrong under PP and the right one unknown), ``state``
-    the layer ids per state kind, in the order of the component's layers (repeated per tensor
-    where the component has more buffers than layers)."""
+    the queues' ``_init_kv_manager`` where ``KVArgs`` leaves it out (an ``SWAKVPool``'s layers,
+    Mamba state in the request pool; docs/sglang.md, pipeline parallelism): a PP stage holds a
+    slice of the layers. ``kv_start`` is the full-attention-relative index of the rank's first
+    KV layer (None: SGLang's value holds; ``kv_start_missing``: SGLang's value is wrong under PP
+    and the right one unknown), ``state`` the layer ids per state kind, in the order of the
+    component's layers (repeated per tensor where the component has more buffers than layers)."""
 
     kv_start: int | None = None
     state: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -126,9 +98,8 @@ class KVArgsError(ValueError):
     """KVArgs that cannot describe a rank's memory; names the field and component."""
 
 
-# SGLang's StateType values -> how pdwire addresses them
+# SGLang's page-indexed kinds of unknown sharding; the other unknown ones are row-indexed
 _PAGE_UNKNOWN = {"qsa_compressed", "minimax_index_k", "minimax_dense_kv", "block_scale", "block_scale_swa"}
-_ROW_UNKNOWN = {"qsa_pending", "swa_ring", "c128_state", "request_row"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +125,37 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _has(args: Any, name: str, ci: int) -> bool:
+    lists = _get(args, name) or []
+    return ci < len(lists) and bool(lists[ci])
+
+
+def _buffers(args: Any, prefix: str, ci: int | None = None) -> list[list[int]]:
+    """``{prefix}_data_ptrs``, ``_data_lens`` and ``_item_lens`` (state: of component ``ci``),
+    checked to be as long as each other."""
+    names = [f"{prefix}_{f}" for f in ("data_ptrs", "data_lens", "item_lens")]
+    if ci is None:
+        out = [_ints(_get(args, name), name) for name in names]
+    else:
+        out = [_ints((_get(args, name) or [])[ci], f"{name}[{ci}]") for name in names]
+        names = [f"{name}[{ci}]" for name in names]
+    if len({len(v) for v in out}) != 1:
+        raise KVArgsError("KVArgs: " + ", ".join(f"{len(v)} {n}" for v, n in zip(out, names, strict=True)))
+    return out
+
+
+def _heads(args: Any, geo: Geometry, what: str) -> tuple[int, int]:
+    """(KV heads per rank, the model's), for a non-MLA pool."""
+    heads = int(_get(args, "kv_head_num", 0) or 0)
+    if heads < 1:
+        raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA {what}, got {heads}")
+    return heads, int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.rank.tp_size
+
+
 def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
-    ptrs = _ints(_get(args, "kv_data_ptrs"), "kv_data_ptrs")
+    ptrs, lens, items = _buffers(args, "kv")
     if not ptrs:
         return None
-    lens = _ints(_get(args, "kv_data_lens"), "kv_data_lens")
-    items = _ints(_get(args, "kv_item_lens"), "kv_item_lens")
-    if not (len(ptrs) == len(lens) == len(items)):
-        raise KVArgsError(
-            f"KVArgs: {len(ptrs)} kv_data_ptrs, {len(lens)} kv_data_lens, {len(items)} kv_item_lens"
-        )
     if len(set(items)) != 1:
         raise KVArgsError(
             f"KVArgs.kv_item_lens differ between layers ({sorted(set(items))}); pdwire needs one page size"
@@ -195,10 +187,7 @@ def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
     k_lens, v_lens = halves(lens)
     if k_lens != v_lens:
         raise KVArgsError("KVArgs.kv_data_lens: a layer's K and V buffers differ in length")
-    heads = int(_get(args, "kv_head_num", 0) or 0)
-    total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.rank.tp_size
-    if heads < 1:
-        raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA model, got {heads}")
+    heads, total = _heads(args, geo, "model")
     if (page_bytes // page_size) % heads:
         raise KVArgsError(
             f"KVArgs: {page_bytes // page_size} bytes per token do not split into {heads} heads"
@@ -259,15 +248,10 @@ def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.S
         raise KVArgsError(
             f"KVArgs.state_types[{ci}]: state kind {kind_value!r} is not known to pdwire"
         ) from None
-    ptrs = _ints((_get(args, "state_data_ptrs") or [])[ci], f"state_data_ptrs[{ci}]")
-    lens = _ints((_get(args, "state_data_lens") or [])[ci], f"state_data_lens[{ci}]")
-    items = _ints((_get(args, "state_item_lens") or [])[ci], f"state_item_lens[{ci}]")
+    ptrs, lens, items = _buffers(args, "state", ci)
     n = len(ptrs)
-    if not (n == len(lens) == len(items)) or n == 0:
-        raise KVArgsError(
-            f"KVArgs state component {ci} ({kind.value}): {n} pointers, {len(lens)} lengths, "
-            f"{len(items)} item lengths"
-        )
+    if n == 0:
+        raise KVArgsError(f"KVArgs state component {ci} ({kind.value}) has no buffers")
     layer_ids = (
         _ints(_get(args, "state_layer_ids")[ci], f"state_layer_ids[{ci}]")
         if _has(args, "state_layer_ids", ci)
@@ -318,14 +302,11 @@ def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.S
             raise KVArgsError(f"KVArgs state component {ci} (swa): {n} buffers do not split into K and V")
         half = n // 2
         ids = tuple(layer_ids[:half]) if layer_ids else None
-        heads = int(_get(args, "kv_head_num", 0) or 0)
-        total = int(_get(args, "total_kv_head_num", 0) or 0) or heads * geo.rank.tp_size
         page_size = int(_get(args, "page_size", 1) or 1)
         layout_name = str(_get(args, "swa_kv_cache_layout", None) or "nhd").upper()
         if layout_name not in ("NHD", "HND"):
             raise KVArgsError(f"KVArgs.swa_kv_cache_layout {layout_name.lower()!r}: pdwire knows nhd and hnd")
-        if heads < 1:
-            raise KVArgsError(f"KVArgs.kv_head_num must be >= 1 for a non-MLA SWA component, got {heads}")
+        heads, total = _heads(args, geo, "SWA component")
         if items[0] % (page_size * heads):
             raise KVArgsError(
                 f"KVArgs: SWA page of {items[0]} bytes does not split into {page_size} x {heads} heads"
@@ -337,31 +318,17 @@ def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.S
             indexing=pd.Indexing.PAGE, tensors=(tensor("k", 0, half), tensor("v", half, n)), heads=geom,
             layer_ids=ids, **base,
         )  # fmt: skip
-    if kind in (pd.StateKind.SWA, pd.StateKind.DSA, pd.StateKind.NSA):
-        return pd.StatePool(
-            indexing=pd.Indexing.PAGE, tensors=(tensor("buf", 0, n),), replicated=True,
-            layer_ids=tuple(layer_ids) if layer_ids and len(set(layer_ids)) == n else None, **base,
-        )  # fmt: skip
-    indexing = pd.Indexing.PAGE if kind.value in _PAGE_UNKNOWN else pd.Indexing.ROW
+    # the rest are one buffer per layer: SWA (MLA), DSA and NSA replicated, the others unknown
+    replicated = kind in (pd.StateKind.SWA, pd.StateKind.DSA, pd.StateKind.NSA)
     return pd.StatePool(
-        indexing=indexing, tensors=(tensor("buf", 0, n),),
+        indexing=pd.Indexing.PAGE if replicated or kind.value in _PAGE_UNKNOWN else pd.Indexing.ROW,
+        tensors=(tensor("buf", 0, n),), replicated=replicated,
         layer_ids=tuple(layer_ids) if layer_ids and len(set(layer_ids)) == n else None, **base,
     )  # fmt: skip
 
 
-def _has(args: Any, name: str, ci: int) -> bool:
-    lists = _get(args, name) or []
-    return ci < len(lists) and bool(lists[ci])
-
-
 def _aux(args: Any) -> tuple[pd.AuxBuffer, ...]:
-    ptrs = _ints(_get(args, "aux_data_ptrs"), "aux_data_ptrs")
-    lens = _ints(_get(args, "aux_data_lens"), "aux_data_lens")
-    items = _ints(_get(args, "aux_item_lens"), "aux_item_lens")
-    if not (len(ptrs) == len(lens) == len(items)):
-        raise KVArgsError(
-            f"KVArgs: {len(ptrs)} aux_data_ptrs, {len(lens)} aux_data_lens, {len(items)} aux_item_lens"
-        )
+    ptrs, lens, items = _buffers(args, "aux")
     return tuple(
         pd.AuxBuffer(f"aux{i}", p, ln, it)
         for i, (p, ln, it) in enumerate(zip(ptrs, lens, items, strict=True))
@@ -376,7 +343,6 @@ def state_kinds(args: Any) -> list[str]:
 def rank_memory(args: Any, geo: Geometry) -> pd.RankMemory:
     """``RankMemory`` of one SGLang rank; :class:`KVArgsError` names what does not fit."""
     first_layer = int(_get(args, "prefill_start_layer", 0) or 0)
-    kinds: Sequence[str] = state_kinds(args)
     kv = _kv_pool(args, geo)
-    state = tuple(_state_component(args, ci, k, geo) for ci, k in enumerate(kinds))
+    state = tuple(_state_component(args, ci, k, geo) for ci, k in enumerate(state_kinds(args)))
     return pd.RankMemory(geo.rank, kv=kv, state=state, aux=_aux(args), first_layer=first_layer)
