@@ -1,36 +1,17 @@
-"""The RegisterInfo <-> planner-memory adapter, pure: values in, values out.
+"""The RegisterInfo <-> planner-memory adapter, pure: values in, values out (docs/runtime.md).
 
-The wire's ``RegisterInfo.state_components[i]`` lists one entry per (tensor, layer), tensor
-major. From 1.2 a component describes itself (tensor names, indexing, sharding, head
-geometry): :func:`remote_memory` builds the peer's component from its registration alone and
-then validates it against this side's model, refusing any disagreement with a
-:class:`RegistrationMismatch` naming component, tensor and field. A 1.1 or 1.0 peer sends no
-self-description (the fields read as their defaults), so for it the structure is borrowed from
-this side's own model, as before 1.2: same kinds, same tensor count and names, indexing by
-kind, replication from the local component; only counts that do not split evenly are refused.
-The memory kind of a component is never on the wire and is always this side's. From 1.3 a
-component also names the layer of each per-layer entry (``layer_ids``); a peer without them
-(older than 1.3) is accepted only without PP, where they can only be 0..n-1.
+``RegisterInfo.state_components[i]`` lists one entry per (tensor, layer), tensor major. A 1.2+
+component describes itself and :func:`remote_memory` validates it against this side's model
+(:class:`RegistrationMismatch` names component, tensor and field); a 1.1/1.0 peer sends no
+self-description, so its structure is borrowed from this side's model. The memory kind is never
+on the wire. A peer without ``layer_ids`` (before 1.3) is accepted only without PP.
 
-Engines that address memory by descriptor (MoRI) publish one opaque blob per registered
-region (``PeerMetadata.region_descs``, in the planner's region order). RegisterInfo carries
-them split like the memory itself: each state component's blobs in its ``mem_descs``
-(tensor major, per layer, like its ``base_addrs``); the KV K layers, then KV V layers in
-``kv_mem_descs``; the aux buffers in ``aux_mem_descs`` from 1.2, appended to
-``kv_mem_descs`` for 1.1 peers (1.1 has no aux list, and the codec refuses to drop one).
-:func:`join_region_descs` accepts both forms and rebuilds the region-ordered tuple on the
-prefill side. Version 1.0 cannot carry component descriptors, so a descriptor-addressed
-backend refuses a 1.0 peer at the handshake (:func:`.hello.check_descriptors`). Buffers that
-alias one registration carry its blob each; the join keeps one per registration.
-
-From 1.4 a registration also says where items lie (a KV page stride, K and V offsets inside a
-page; per state tensor a slot stride and offset), how a slot is shaped around its TP-sharded
-axis (rows before it), which tensors are replicated inside an axis-sharded component, and
-SGLang 0.5.23's state kinds and row indexing, and the stride between the heads of a
-head-major KV page (vLLM's CPU attention: each head's K, then its V). A peer that agreed on an
-older version cannot describe these, so :func:`check_layout_version` refuses it by name before
-anything is planned (:func:`register_info` refuses the same for its own memory); the codec's
-DowngradeError is the last line behind it.
+Descriptor-addressed engines (MoRI) publish one blob per region; RegisterInfo carries them split
+like the memory (``mem_descs`` per component, ``kv_mem_descs``, ``aux_mem_descs`` from 1.2, at the
+tail of ``kv_mem_descs`` for 1.1); :func:`join_region_descs` rebuilds the region order, one blob
+per registration where buffers alias. What 1.4 added (item layouts, head stride, sharded axes,
+SGLang kinds, aliasing) is refused by name for an older peer (:func:`check_layout_version`)
+before anything is planned; the codec's DowngradeError is the last line behind it.
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
-"""The decode rank an engine embeds: its links (:mod:`.decode_links`: one ZMQ DEALER per
-prefill rank it reads from, each around a pure
-:class:`~pdwire.runtime.session.decode_connection.DecodeConnection`) and its rooms
-(:mod:`.decode_rooms`: around the pure
-:class:`~pdwire.runtime.session.decode_session.DecodeSession`), a transfer backend for
-completions and a clock. This module is the facade and the poll loop.
+"""The decode rank an engine embeds: the facade and the poll loop around its links
+(:mod:`.decode_links`: one DEALER per prefill rank, each around a pure ``DecodeConnection``) and
+its rooms (:mod:`.decode_rooms`: around the pure ``DecodeSession``).
 
-An engine builds one per rank from a :class:`~pdwire.runtime.config.DecodeConfig` and the
-rank's memory, :meth:`DecodeWorker.connect` s it to a prefill engine's ranks (returns a
-:class:`PrefillGroup` at once; ``step()`` runs the handshakes, a pure
-:class:`~pdwire.runtime.session.group_connect.GroupConnect` per group, while the worker keeps
-serving its other links and rooms; ``on_connected(group)`` reports it ready or failed with the
-cause, and :meth:`DecodeWorker.wait_ready` is the blocking form), and asks for each request with
-:meth:`DecodeWorker.start_room` (one TransferRequest per prefill rank the routing names,
-dummies explicitly marked; a room asked of a group still connecting waits inside its deadline);
-completions arrive as engine notifications or, for parts with nothing to write, on the control
-socket.
-
-Two callbacks tell the engine about a room: ``on_finished(room, status, failure)`` as soon as
-it ends (a failed request can be retried elsewhere at once), and ``on_slots_released(room)``
-once its destination slots may be reused: at once after a success, and for a failed room
-only when every writing prefill rank fenced (its Success status, or its Failed status or
-AbortAck from a peer at protocol 1.3 or newer on an engine whose reports mean its writes
-stopped) or was revoked.
-
-Revocation (see ``docs/fencing.md``): every prefill rank is given its own windows onto this
-rank's memory (``Backend.local_metadata(for_peer=...)``). A prefill rank that is lost (its
-control connection closed, or silent past ``peer_timeout_s``: heartbeats run on every link),
-or that a failed room still waits for ``fence_timeout_s`` past the room's deadline, is
-revoked (``Backend.revoke``): its rooms fail at once, typed ``peer_gone``, and whatever it
-still writes lands nowhere, so the slots come back once the revocation settled. A rank that
-cannot be revoked (memory the engine did not allocate) leaves the rooms waiting for it
-quarantined, counted in ``stats.unrevocable`` and named in ``stats.failures``: a timeout never
-releases slots. A revoked rank registers again with new windows; a lost one is reconnected
-in the background (a new handshake), while the other links and rooms go on. Until then a
-room that needs it fails at once (``on_finished`` Failed, ``peer_gone``; nothing was sent); a
-room that needs a live rank registering again after its revocation waits inside its deadline.
+The engine-facing contract (connect, rooms, the ``on_finished`` / ``on_slots_released`` /
+``on_connected`` callbacks, reclaim) is in ``docs/engine-api.md``; revocation of lost or
+unfenced prefill ranks, and why a timeout never releases slots, in ``docs/fencing.md``.
 """
 
 from __future__ import annotations
@@ -146,18 +116,11 @@ class DecodeWorker(RankEdge):
     def connect(
         self, endpoints: Sequence[str], *, prefill_pp: int = 1, timeout_s: float | None = None
     ) -> PrefillGroup:
-        """Start the handshake with the prefill ranks of one prefill engine's DP group this rank
-        reads from; returns its :class:`PrefillGroup` at once, ``CONNECTING``.
-
-        ``endpoints`` lists every rank of that group, PP stage major: ``endpoints[pp_rank *
-        tp_size + tp_rank]`` (with one stage, simply by TP rank); ``prefill_pp`` is its number
-        of PP stages. Only the ranks the routing names are contacted, one after another, by
-        :meth:`step`, which keeps serving every other link and room meanwhile. The group becomes
-        ``READY`` or ``FAILED`` (its ``error`` names the cause: a refusal, a rank that says it
-        is another rank, of another engine or DP group, or the handshake timeout) in a later
-        ``step()``, which calls ``on_connected(group)``. Rooms may be started on it at once
-        (see :meth:`start_room`). Connecting again to a group replaces its links once ready.
-        :meth:`wait_ready` blocks until the outcome, for simple callers.
+        """Start the handshake with one prefill DP group's ranks; returns its :class:`PrefillGroup`
+        at once, ``CONNECTING``. ``endpoints`` lists every rank of the group, PP stage major
+        (``endpoints[pp_rank * tp_size + tp_rank]``). :meth:`step` runs the handshakes and calls
+        ``on_connected(group)`` once it is ``READY`` or ``FAILED`` (``group.error``); rooms may be
+        started on it at once. See docs/engine-api.md.
         """
         return self.links.connect(endpoints, prefill_pp, timeout_s)
 
@@ -193,13 +156,9 @@ class DecodeWorker(RankEdge):
     ) -> None:
         """Ask ``prefill`` (a group :meth:`connect` returned) for ``room`` into ``indices``.
 
-        Raises :class:`DuplicateRoomError` if the room id is in use (live, quarantined, waiting
-        for its group or just finished) and :class:`IndicesError` for indices that do not fit
-        this rank's memory, both before anything is sent. ``timeout_s`` overrides the room
-        timeout. A group still connecting holds the room inside its deadline: it starts once the
-        group is ready, or fails (``on_finished`` Failed: ``handshake`` with the cause, or
-        ``timeout`` at its deadline; nothing was sent, its slots come back at once). A failed
-        group's rooms fail the same way from the next ``step()``.
+        Raises :class:`DuplicateRoomError` or :class:`IndicesError` before anything is sent.
+        ``timeout_s`` overrides the room timeout. A group still connecting holds the room inside
+        its deadline (docs/engine-api.md).
         """
         self.rooms.start_room(room, indices, prefill, timeout_s)
 
@@ -211,20 +170,16 @@ class DecodeWorker(RankEdge):
 
     def abort(self, room: int, reason: str = "aborted by the decode engine") -> None:
         """Give up on ``room``: every prefill rank is told to stop; ``on_finished`` reports it
-        Failed now and ``on_slots_released`` once every writer fenced (a room still waiting
-        for its group fails at once: nothing was sent for it). A room this rank never started
-        (or one already over) is left alone: nothing is reported, since no slot of it was ever
-        handed to a writer; to tell prefill not to wait for it, :meth:`decline` it."""
+        Failed now and ``on_slots_released`` once every writer fenced. A room this rank never
+        started (or one already over) is left alone; :meth:`decline` tells prefill not to wait."""
         self.rooms.abort(room, reason)
 
     def decline(
         self, room: int, prefill: PrefillGroup, reason: str = "declined by the decode engine"
     ) -> None:
-        """Tell ``prefill`` that this rank will never ask for ``room`` (the engine dropped the
-        request while it waited, e.g. for memory): every prefill rank that would feed this rank
-        fails its room now (``on_released`` there, with ``ABORTED``) instead of at the room
-        timeout, and refuses a later request for it. No callback fires here: nothing was started.
-        A room that is live on this rank is aborted instead (:meth:`abort`)."""
+        """Tell ``prefill`` that this rank will never ask for ``room``: its prefill ranks fail the
+        room now instead of at its timeout and refuse a later request for it. No callback fires
+        here; a room live on this rank is aborted instead (:meth:`abort`)."""
         self.rooms.decline(room, prefill, reason)
 
     def status(self, room: int) -> Status | None:
@@ -233,17 +188,10 @@ class DecodeWorker(RankEdge):
         return self.rooms.status(room)
 
     def reclaim(self, room: int) -> bool:
-        """Forget quarantined ``room``: the engine takes its slots back on its own authority.
-
-        For a writer that can never fence: a prefill rank that died while its memory could not be
-        revoked (``stats.unrevocable``: engine-owned memory) keeps its rooms quarantined for good,
-        because only the engine can know when the writer is gone for good (its host is down, its
-        process is confirmed dead) or decide to free the slots at a timeout of its own, as
-        SGLang's deferred release does. From this call on a late write of that writer is the
-        engine's risk. ``on_slots_released`` is not called (the engine has the slots already);
-        the room's id stays unusable while late messages for it may come. Returns False when the
-        room is not quarantined (unknown, or its slots were released already); raises
-        :class:`ConfigError` for a live room (``abort`` it first).
+        """Forget quarantined ``room``: the engine takes its slots back on its own authority (for a
+        writer that can never fence, ``stats.unrevocable``; docs/engine-api.md). A late write is
+        then the engine's risk; ``on_slots_released`` is not called. Returns False when the room
+        is not quarantined; raises :class:`ConfigError` for a live room (``abort`` it first).
         """
         return self.rooms.reclaim(room)
 
