@@ -1,21 +1,9 @@
 """What an engine tells a worker about itself: where the rank sits, how to reach it, its limits.
 
-Pure values, no I/O. :class:`ParallelRank` is the rank's place in the parallel grid (attention
-TP, PP, CP and attention DP), the one type for it: the worker configs, the planner's
-``RankMemory.position`` and the session's peers all hold one (it becomes the wire's
-``ParallelGeometry`` only in ``session/hello.py``). It computes the *unique sender rank* every
-prefill rank signs its statuses and notifications with, by SGLang's formula::
-
-    sender_rank = tp_rank * (pp_size * cp_size) + pp_rank * cp_size + cp_rank
-
-which is unique within one attention-DP group (a request is served by one group, so that is
-where uniqueness is needed). :attr:`ParallelRank.engine_rank` adds the DP group on top and is
-unique across the whole engine instance; it names the rank to its peers.
-
-:class:`PrefillConfig` and :class:`DecodeConfig` carry the rest: engine id, model identity,
-the transfer backend by registry name with its options, the control endpoint (prefill binds
-``tcp://HOST:PORT``, port 0 picks a free one, and advertises ``advertise`` or the bound
-address), the protocol versions offered and the timeouts. Every problem is one
+Pure values, no I/O. :class:`ParallelRank` is the rank's place in the parallel grid, the one
+type for it (the worker configs, ``RankMemory.position`` and the session's peers hold one; it
+becomes the wire's ``ParallelGeometry`` only in ``session/hello.py``). :class:`PrefillConfig`
+and :class:`DecodeConfig` carry the rest (docs/engine-api.md, section 2). Every problem is one
 :class:`ConfigError` naming the field.
 """
 
@@ -23,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdwire import wire
@@ -62,18 +50,15 @@ class ParallelRank:
 
     @property
     def sender_rank(self) -> int:
-        """SGLang's ``prefill_unique_rank``: unique over TP x PP x CP within one DP group."""
+        """SGLang's ``prefill_unique_rank``, what every prefill rank signs its statuses with:
+        unique over TP x PP x CP within one DP group (a request is served by one group)."""
         return self.tp_rank * (self.pp_size * self.cp_size) + self.pp_rank * self.cp_size + self.cp_rank
 
     @property
-    def group_size(self) -> int:
-        """Ranks in one attention-DP group (TP x PP x CP)."""
-        return self.tp_size * self.pp_size * self.cp_size
-
-    @property
     def engine_rank(self) -> int:
-        """Unique over the whole engine instance: the DP group, then :attr:`sender_rank`."""
-        return self.dp_rank * self.group_size + self.sender_rank
+        """Unique over the whole engine instance (the DP group, then :attr:`sender_rank`): it
+        names the rank to its peers."""
+        return self.dp_rank * self.tp_size * self.pp_size * self.cp_size + self.sender_rank
 
     def __str__(self) -> str:
         parts = [f"tp {self.tp_rank}/{self.tp_size}"]
@@ -217,10 +202,6 @@ class WorkerConfig:
         """The backend agent name used when none is given in ``backend_options``."""
         name = self.backend_options.get("agent_name")
         return str(name) if name else f"{self.engine_id}-{role}{self.rank.engine_rank}-{pid}"
-
-    def describe(self) -> dict[str, Any]:
-        """Field -> value, for logs."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, kw_only=True)

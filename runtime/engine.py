@@ -4,42 +4,21 @@
 
     from pdwire.runtime import engine as pd
 
-    # 1. the rank's place in the parallel grid, and the memory it transfers with the planner's
-    #    model (pointers, lengths, shapes; engines with torch: pdwire.runtime.torch_memory)
     rank = pd.ParallelRank(tp_size=2, tp_rank=0)
     memory = pd.RankMemory(rank, kv=pd.KvPool(...), state=(...), aux=(...))
-
-    # 2. one worker per rank; the control plane is authenticated with the deployment's CURVE
-    #    keys (`pdwire keys generate DIR`; or PDWIRE_CONTROL_KEYS=DIR and leave control_auth out)
-    auth = pd.ControlAuth.from_directory("/etc/pdwire/keys")
-    pre = pd.PrefillWorker(pd.PrefillConfig(engine_id="p0", rank=rank, model=model, control_auth=auth),
-                           memory)
-    dec = pd.DecodeWorker(pd.DecodeConfig(engine_id="d0", rank=rank, model=model, control_auth=auth),
-                          memory)
+    pre = pd.PrefillWorker(pd.PrefillConfig(engine_id="p0", rank=rank, model=model), memory)
+    dec = pd.DecodeWorker(pd.DecodeConfig(engine_id="d0", rank=rank, model=model), memory)
     group = dec.connect(prefill_endpoints)           # returns at once; step() runs the handshake
-    # (group.state: CONNECTING -> READY/FAILED, on_connected(group); dec.wait_ready(group) blocks)
-
-    # 3. per request
     room = pd.room_for_request("req-42")
-    dec.start_room(room, pd.RequestIndices(kv_pages, state=[mamba_slot, swa_pages], aux_index=3), group)
-    pre.send_chunk(room, src_pages, last=True, state=[src_slot, src_swa], aux_index=7)
-
-    # 4. drive both from the inference engine's loop (worker.step(timeout_ms)) or a thread
-    #    (WorkerThread)
+    dec.start_room(room, pd.RequestIndices(kv_pages, state=[mamba_slot], aux_index=3), group)
+    pre.send_chunk(room, src_pages, last=True, state=[src_slot], aux_index=7)
+    # drive both from the engine's loop (worker.step(timeout_ms)) or a WorkerThread
 
 "Engine" here is the inference engine; the transfer engine (NIXL, Mooncake, MoRI, ``local``)
-is a :class:`Backend` (``create_backend(name)``, or the config's ``backend`` name).
-
-Callbacks: prefill ``on_released(room, status, failure)`` (source memory free again);
-decode ``on_finished(room, status, failure)`` (the request's outcome) and
-``on_slots_released(room)`` (destination memory free again). ``status(room)`` answers a
-poll. Errors: :class:`ConfigError` (a configuration or memory that cannot work),
-:class:`IndicesError` (bad request indices), :class:`DuplicateRoomError`,
-:class:`HandshakeError` (a peer refused, by name: ``wait_ready``; ``group.error`` otherwise), all
-raised before anything is sent; a
-request that fails later is reported through the callbacks with a typed :class:`Failure`.
-
-Nothing here imports torch, the demo or a transfer engine until a backend is created.
+is a :class:`Backend`. docs/engine-api.md tells the callbacks, the errors (all raised before
+anything is sent; a request that fails later is reported with a typed :class:`Failure`) and
+the control plane's keys. Nothing here imports torch, the demo or a transfer engine until a
+backend is created.
 """
 
 from pdwire.runtime.backends import Backend, available_backends, create_backend, default_backend

@@ -1,20 +1,9 @@
 """What an engine hands a worker per request: model-agnostic indices, and the room a request is.
 
-A request lives in a *room*, a u64 both sides agree on (SGLang's ``bootstrap_room``). Room 0 is
-reserved: before protocol 1.2 the answer to a registration is a status for room 0.
-:func:`room_for_request` maps an engine's string request id to a room deterministically, so a
-prefill and a decode engine that know the same id land in the same room without talking.
-
-:class:`RequestIndices` is the decode side's request: where the request's KV pages, state and
-aux item go on this rank. State indices are per state component, in ``RankMemory.state``
-order; ``None`` means the component is *absent* from the request (the wire's null), an empty
-array means it is part of the request with nothing to send. A slot component (Mamba) takes
-exactly one index. ``decode_prefix_len`` is the number of prompt tokens decode already holds
-(its prefix cache): a multiple of the page size; ``kv_pages`` then lists the pages *after*
-that prefix, and prefill writes nothing into the prefix.
-
-Prefill gives its source indices chunk by chunk (``PrefillWorker.send_chunk``) with the same
-conventions.
+A request lives in a *room*, a u64 both sides agree on (SGLang's ``bootstrap_room``); room 0 is
+reserved (before protocol 1.2 the answer to a registration is a status for room 0).
+:class:`RequestIndices` is the decode side's request (see there); prefill gives its source
+indices chunk by chunk (``PrefillWorker.send_chunk``) with the same conventions.
 """
 
 from __future__ import annotations
@@ -99,11 +88,14 @@ def as_aux_index(aux_index: int | None, what: str) -> int | None:
 
 @dataclass(frozen=True, slots=True, init=False)
 class RequestIndices:
-    """One request's destination on a decode rank (see the module notes).
+    """One request's destination on a decode rank: where its KV pages, state and aux item go.
 
-    ``kv_pages``: KV page ids after ``decode_prefix_len``; ``state``: per component an index
-    array, or None when the component is absent; ``aux_index``: the aux item (None: no aux for
-    this request); ``decode_prefix_len``: prompt tokens decode already holds.
+    ``kv_pages``: KV page ids after ``decode_prefix_len``, the prompt tokens decode already holds
+    (its prefix cache: a multiple of the page size; prefill writes nothing into it). ``state``:
+    per state component in ``RankMemory.state`` order an index array, or None when the component
+    is *absent* from the request (the wire's null); an empty array means it is part of the
+    request with nothing to send, and a slot component (Mamba) takes exactly one index.
+    ``aux_index``: the aux item (None: no aux for this request).
     """
 
     kv_pages: I32
