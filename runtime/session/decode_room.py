@@ -1,44 +1,20 @@
 """One room on one decode rank: completion accounting, a pure state machine (its moves:
-``DECODE_ROOM`` in :mod:`.states`).
+``DECODE_ROOM`` in :mod:`.states`; fences and revocation: docs/fencing.md).
 
-Decode knows, from the rank routing, which prefill senders feed it and what each owes:
-every KV chunk (their number is learned from the chunk flagged last), each state component
-it asked for, and aux from the one aux owner. Completions are counted per
-(sender, component, chunk), never per sender alone (a per-sender count declares
-multi-component state complete after its first component). The room succeeds only when
-every expected completion arrived; anything unexpected (unknown sender, dummy sender,
-repeated or out-of-range chunk, unexpected component) fails it, because a completion this
-side cannot account for means the bytes in its slots cannot be trusted either.
+Completions are counted per (sender, component, chunk), never per sender alone (a per-sender
+count declares multi-component state complete after its first component). Anything this side
+cannot account for fails the room: the bytes in its slots cannot be trusted either.
 
-A room's end and the reuse of its destination slots are separate. ``ReleaseRoom`` reports
-the outcome at once (the engine can retry a failed request elsewhere); ``ReleaseSlots``
-hands the slots back to the engine. After a success that is immediate: every write
-completed. A failed room is quarantined until every real (non-dummy) sender has *fenced*:
-said that nothing of the room is in flight there any more with a Failed or Success status
-(a prefill rank sends either only once its transfers stopped) or an AbortAck (sent only
-after its drain), or been *revoked* (its access to this rank's memory cut off, so nothing
-it still writes can land). Failed and AbortAck carry that promise from protocol 1.3, on an
-engine whose reports mean the writes stopped (``SenderPlan.fences``); from any other sender
-only Success or revocation fences. Dummy senders write nothing and need no fence.
+A room's end (``ReleaseRoom``, at once) and the reuse of its slots (``ReleaseSlots``) are
+separate: a failed room is quarantined until every real sender fenced (Success, or a Failed
+status or AbortAck from a sender whose reports are fences, ``SenderPlan.fences``) or was
+revoked. A sender that is gone fences nothing by that alone (a stopped process resumes, a
+closed connection's buffered bytes still land); a timeout alone never releases slots.
 
-A sender that is gone (its process or connection lost) fences nothing by that alone: a
-stopped process resumes, a closed connection's buffered bytes are still delivered. It fails
-the room, and the session revokes it (:class:`~.actions.RevokePeer`). So does a sender still
-unfenced ``fence_timeout_s`` after the room's deadline. A timeout alone never releases slots;
-``ReleaseSlots.revoked`` names the senders fenced by revocation.
-
-On an engine that may lose a completion notification (Mooncake drops one it cannot send
-while the link is down, yet reports the write done), ``status_completes`` lets a sender's
-Success status stand for every part it owes: a prefill rank sends Success only once each of
-its writes to this rank completed, so the bytes are there even when a notification is not.
-
-From protocol 1.4 one notification may complete several parts (one engine write carried them):
-a run of KV chunks (``chunk_count``), further state components (``also_components``) and aux
-(``also_aux``). It is accounted exactly as its parts one by one in that order (KV chunks
-ascending, ``is_last`` on the last of them), so a multi-part notification and the single ones
-it stands for lead to the same outcome; the first part this side cannot account for fails the
-room, and a part that completes it ends it (the parts after it are ignored, as single
-notifications after a success are).
+``status_completes`` (engines that may lose a notification yet report the write done, as
+Mooncake does while a link is down) lets a sender's Success stand for every part it owes. A
+1.4 notification may complete several parts; it is accounted exactly as those parts one by one
+(KV chunks ascending), so both forms lead to the same outcome.
 """
 
 from __future__ import annotations

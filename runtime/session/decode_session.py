@@ -1,20 +1,14 @@
 """All rooms of one decode rank: room ids, routing of completions and statuses, timeouts.
 
-Pure like the prefill session. Starting a room whose id is active, or finished recently,
-raises :class:`DuplicateRoomError` before anything is sent, so a repeated client-supplied id
-never reaches (or confuses) a prefill rank.
+A room id that is active, quarantined or finished recently raises :class:`DuplicateRoomError`
+before anything is sent, so a repeated client-supplied id never reaches a prefill rank. A
+failed room is buried (its late completions are stray) but stays *quarantined* until its slots
+are released: statuses, AbortAcks, lost peers, revocations and ticks still reach it.
 
-A failed room is buried (tombstone: its late completions are stray, not failures) but stays
-*quarantined* until its slots are released (see :mod:`.decode_room`): statuses, AbortAcks,
-lost peers, revocations and ticks still reach it.
-
-Revocation: a peer that is lost, or that a quarantined room still waits for past its fence
-deadline, is asked to be revoked (:class:`~.actions.RevokePeer`, once until answered). The
-edge answers :meth:`on_peer_lost` when it cut the peer off (its live rooms fail: what it
-writes now goes nowhere), then :meth:`on_revoked` once that settled (the peer is fenced in
-every room), or :meth:`on_unrevocable` when it cannot revoke: the rooms waiting for that peer
-then stay quarantined (``unrevocable`` says why) until a real fence arrives, never released
-by a timeout.
+A lost peer, or one a quarantined room still waits for past its fence deadline, is asked to be
+revoked (:class:`~.actions.RevokePeer`, once until answered); the edge answers
+:meth:`on_peer_lost`, then :meth:`on_revoked`, or :meth:`on_unrevocable` (those rooms then stay
+quarantined until a real fence arrives). See docs/fencing.md.
 """
 
 from __future__ import annotations

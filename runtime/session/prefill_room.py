@@ -1,30 +1,16 @@
-"""One room on one prefill rank: a pure state machine (its moves: ``PREFILL_ROOM`` in :mod:`.states`).
+"""One room on one prefill rank: a pure state machine (its moves: ``PREFILL_ROOM`` in :mod:`.states`;
+what it posts and when: docs/runtime.md).
 
-Bootstrapping collects ``required_dst_info_num`` transfer requests, WaitingForInput waits for
-chunked prefill to produce pages, Transferring has posts in flight; a Failed room drains while
-its transfers stop.
+Every event carries its indices (a target's :class:`Destination`, each chunk's source pages), so
+every ``PostTransfer`` is self-contained: the edge plans and posts it without looking anything
+up. A target whose page list does not line up with what the engine produced fails the room,
+never a partial Success; aux is posted on the last chunk even for dense models (decode's
+accounting needs it).
 
-Every event carries its indices: a target's request brings the destination pages, state
-indices and aux item it asked for (:class:`Destination`), each chunk the source pages the
-engine produced, the last chunk also the source state indices and aux item. So every
-``PostTransfer`` is self-contained: the edge plans and posts it without looking anything up.
-Pages decode already holds (its ``decode_prefix_len``) are skipped per target, and a target
-whose page list does not line up with what the engine produced fails the room, never a
-partial Success.
-
-Chunks the engine produces before every request has arrived are remembered and posted as
-soon as the last request comes in. Every non-dummy target gets every KV chunk, in order;
-after its last KV chunk it gets each of its state components and then its aux part (aux
-is posted on the last chunk even for dense models: decode's accounting needs it). The room
-succeeds when every request arrived, the engine produced its last chunk and every posted
-transfer completed. Any failure fails the whole room and nothing is posted afterwards.
-
-A failed room is *fenced*: while any transfer it posted may still write into a target's
-slots, the room drains: it asks for those transfers to be cancelled and answers nobody.
-Only once every one of them was reported done or failed (the engine confirmed it stopped)
-does it tell every target that sent a request (except the one that failed it), acknowledge
-every Abort it received meanwhile, and release. So a Failed status or an AbortAck from a
-prefill rank means: nothing of this room is in flight here any more.
+A failed room is *fenced* (docs/fencing.md): while a transfer it posted may still write into a
+target's slots it drains, asking for them to be cancelled and answering nobody; only once each
+was reported done or failed does it tell its targets, acknowledge their Aborts and release. So
+a Failed status or an AbortAck from a prefill rank means nothing of the room is in flight there.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""The prefill rank an engine embeds: a ZMQ ROUTER, a transfer backend, a clock around the pure core.
+"""The prefill rank an engine embeds: a ZMQ ROUTER, a transfer backend, a clock around the pure core
+(one ``PrefillConnection`` per decode peer, the ``PrefillSession`` of rooms); docs/engine-api.md.
 
-An engine builds one per rank from a :class:`~pdwire.runtime.config.PrefillConfig` and the
-rank's memory (:class:`~pdwire.runtime.planner.RankMemory`), gives it each request's source
-indices chunk by chunk with :meth:`PrefillWorker.send_chunk`, and drives it with
-:meth:`PrefillWorker.step` from its own loop (or on a thread: :mod:`.thread`). When a room is
-over and none of its writes is in flight any more, ``on_released(room, status, failure)``
-says its source pages may be reused.
-
-Everything the protocol decides is in the pure core: one
-:class:`~pdwire.runtime.session.prefill_connection.PrefillConnection` per decode peer (the
-handshake, the version rules, requests as typed events) and the
-:class:`~pdwire.runtime.session.prefill_session.PrefillSession` of rooms, whose posts carry
-their indices. This module only moves frames (every one built by the generated codecs),
-calls the transfer engine and reads the clock.
-
-A part whose plan is empty (nothing to write: a replicated tensor another prefill rank
-writes) cannot ride on an engine write, so its Notification travels on the control socket
-instead; decode counts it the same way. A failed room's transfers are cancelled with
-``Backend.cancel`` and polled like any other until the engine confirms each stopped; the
-room's Failed statuses, AbortAcks and the release of its source slots (``on_released``) wait
-for that (see :mod:`pdwire.runtime.session.prefill_room`).
+A part whose plan is empty (a replicated tensor another prefill rank writes) cannot ride on an
+engine write, so its Notification travels on the control socket instead. A failed room's
+transfers are cancelled with ``Backend.cancel`` and polled until the engine confirms each
+stopped; its statuses, AbortAcks and ``on_released`` wait for that (:mod:`.session.prefill_room`).
 """
 
 from __future__ import annotations
