@@ -19,47 +19,18 @@ worker threads inside, invisibly. The life cycle on each side is::
     b.revoke("p0")                          # target side: that peer's late writes land nowhere
     b.close()                               # idempotent; frees everything
 
-Guarantees
-----------
-* ``post`` validates every row before any byte moves: src inside the local region named
-  by ``src_region``, dst inside the peer's region named by ``dst_region``; otherwise one
-  :class:`DescriptorError` naming the row and region (nothing is posted).
-* A notification is delivered to the peer only after every byte of its transfer is
-  visible in the peer's memory. Receiving ``(agent, payload)`` from
-  :meth:`Backend.receive_notifications` therefore means the data of that transfer is
-  readable. Exactly one notification per successful ``post``; none for a failed one.
-* A final state is the engine's word that the transfer is over: once ``poll`` returned
-  DONE or FAILED, the engine no longer reads the source nor writes the destination of
-  that transfer. A FAILED transfer may have written part of its destination before it
-  stopped; it writes nothing afterwards.
-* ``poll`` and ``cancel`` never block. ``cancel`` asks the engine to stop; ``poll`` then
-  reports PENDING (reason ``"cancelling"``) until the engine confirms the transfer left
-  both sides' memory alone, and then FAILED (the cancel's reason) or DONE if it completed
-  first. Every transfer ends: one not final within ``transfer_timeout_s`` of its start
-  (its post; for worker-thread engines, when a worker took it up, so that time queued
-  behind other transfers does not count) is cancelled the same way by ``poll`` and
-  reported FAILED ("not done after ...") once confirmed. A dead peer makes its transfers
-  FAILED; the backend stays usable for other and new peers.
-* ``release`` frees a handle. On a final handle it frees the engine's request at once; on
-  one that is not final it cancels the transfer and keeps the engine's request until the
-  engine confirms, retrying on later calls and waiting for it (bounded by
-  ``close_wait_s``) at ``close``. Callers that must know when memory is safe to reuse
-  cancel and poll to a final state first; ``release`` is the last step, not a fence.
-* Revocation (the target side's fence). ``local_metadata(for_peer=key)`` publishes
-  *windows* for ``key``: every registered region inside memory from :meth:`Backend.allocate`
-  is given to that peer at its own alias addresses (see :mod:`.window`); the planner keeps
-  using the owner's addresses, the initiator's backend adds the window's offset when it
-  posts. :meth:`Backend.revoke` cuts one peer's windows off: deregistered from the engine
-  and their addresses remapped to junk pages, so a write of that peer still in flight, or
-  posted later from stale metadata, changes no byte of the memory. It never waits for the
-  peer. The :class:`Revocation` it returns says whether it covered every region
-  (``effective``; memory the caller brought cannot be windowed) and from when the memory
-  may be reused (``settles_at``). The next ``local_metadata(for_peer=key)`` opens new
-  windows. Whether an engine's own final states mean its writes stopped is
-  ``final_states_fence`` (Mooncake's do not: measured, see ``docs/fencing.md``).
-* ``close`` releases every handle, peer, registration and buffer it created, and is
-  idempotent. Buffers whose numpy views are still referenced are unmapped when the last
-  view dies (the backing name, e.g. a /dev/shm file, is removed at close regardless).
+Guarantees (the method docstrings below say each in full; docs/backends.md and, for
+revocation, docs/fencing.md say why): ``post`` validates every row before any byte moves; a
+notification reaches the peer only after every byte of its transfer is visible there, exactly
+one per successful ``post``; a final state (DONE or FAILED) means the engine no longer touches
+either side's memory for that transfer (``final_states_fence`` says whether an engine keeps
+that); ``poll`` and ``cancel`` never block, a cancel (or ``transfer_timeout_s``) is reported
+final only once the engine confirms; ``release`` is the last step, not a fence; ``revoke``
+cuts one peer's windows off so none of its writes, late or new, lands; ``close`` frees
+everything and is idempotent. A FAILED transfer may have written part of its destination, and
+nothing afterwards; a dead peer fails its transfers and leaves the backend usable. Buffers
+whose numpy views are still referenced are unmapped with the last view (their backing name,
+e.g. a /dev/shm file, is removed at close regardless).
 """
 
 from __future__ import annotations
@@ -94,6 +65,7 @@ from pdwire.runtime.backends.values import (
     TransferState,
     failed,
 )
+from pdwire.runtime.backends.wakeup import DatagramWaker, Waker
 from pdwire.runtime.backends.window import SharedMemory, Window
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region, RegionColumns, outside_regions
 
@@ -126,19 +98,9 @@ def check_side(
     )
 
 
-def validate_table(
-    table: DescriptorTable, local: Sequence[Region], local_columns: RegionColumns, peer: Peer
-) -> None:
-    check_side("src", table.src_addr, table.length, table.src_region, local, local_columns, "locally")
-    check_side(
-        "dst",
-        table.dst_addr,
-        table.length,
-        table.dst_region,
-        peer.regions,
-        peer.columns,
-        f"peer {peer.agent_name!r}",
-    )
+def batches(n: int, max_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of at most ``max_rows`` rows covering ``n`` rows (engine batches)."""
+    return [(s, min(s + max_rows, n)) for s in range(0, n, max_rows)]
 
 
 def check_no_overlap(existing: Sequence[Region], new: Sequence[Region]) -> None:
@@ -162,6 +124,17 @@ class _PeerWindows:
     deltas: list[int] = field(default_factory=list)  # per registered region; 0 = not windowed
     tokens: list[Any] = field(default_factory=list)  # the engine's registrations of the windows
     unwindowed: list[str] = field(default_factory=list)  # regions outside allocate()'d memory
+
+
+def _no_windows(peer: str) -> str:
+    return f"no windows were published to {peer!r}: nothing it writes can be revoked"
+
+
+def _unwindowed(regions: list[str]) -> str:
+    return (
+        f"regions {regions} cannot be windowed (only memory from allocate() of an engine "
+        "that writes through addresses can): writes into them cannot be revoked"
+    )
 
 
 class Backend(abc.ABC):
@@ -201,8 +174,9 @@ class Backend(abc.ABC):
             raise RegistrationError(f"buffer {name!r}: nbytes must be positive, got {nbytes}")
         return self._allocate(name, nbytes)
 
-    def _shared_buffer(self, name: str, nbytes: int) -> HostBuffer:
-        """An ``allocate()`` result engines hand out: memfd-backed, so peers can get windows."""
+    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
+        """Memfd-backed memory, so that peers can get windows (an engine that takes its memory
+        elsewhere, MoRI's allocator, overrides this)."""
         try:
             mem = SharedMemory(name, nbytes)
         except OSError as exc:
@@ -246,6 +220,7 @@ class Backend(abc.ABC):
     # a worker then blocks in its poller instead of polling the engine (see :mod:`.wakeup`).
     wakes_on_completion: bool = False
     wakes_on_notification: bool = False
+    _wakers: tuple[Waker | DatagramWaker, ...] = ()  # what wakeup_fds() lists, set by the engine
     # After a window is remapped, a copy already inside the kernel may still finish into the
     # pages it pinned (process_vm_writev pins 16 at a time, then copies): reuse waits this long.
     revoke_grace_s: float = 0.05
@@ -287,13 +262,8 @@ class Backend(abc.ABC):
         before revoking, so that a peer that cannot be cut off is left undisturbed."""
         pw = self._windows.get(for_peer)
         if pw is None:
-            return f"no windows were published to {for_peer!r}: nothing it writes can be revoked"
-        if pw.unwindowed:
-            return (
-                f"regions {pw.unwindowed} cannot be windowed (only memory from allocate() of an engine "
-                "that writes through addresses can): writes into them cannot be revoked"
-            )
-        return None
+            return _no_windows(for_peer)
+        return _unwindowed(pw.unwindowed) if pw.unwindowed else None
 
     def revoke(self, for_peer: str) -> Revocation:
         """Cut ``for_peer`` off the memory: its windows are deregistered from the engine and
@@ -305,8 +275,7 @@ class Backend(abc.ABC):
         now = time.monotonic()
         pw = self._windows.pop(for_peer, None)
         if pw is None:
-            why = f"no windows were published to {for_peer!r}: nothing it writes can be revoked"
-            return Revocation(for_peer, False, why, now)
+            return Revocation(for_peer, False, _no_windows(for_peer), now)
         problems: list[str] = []
         for token in pw.tokens:
             try:
@@ -319,10 +288,7 @@ class Backend(abc.ABC):
             except OSError as exc:
                 problems.append(str(exc))
         if pw.unwindowed:
-            problems.append(
-                f"regions {pw.unwindowed} cannot be windowed (only memory from allocate() of an engine "
-                "that writes through addresses can): writes into them cannot be revoked"
-            )
+            problems.append(_unwindowed(pw.unwindowed))
         return Revocation(for_peer, not problems, "; ".join(problems), now + self.revoke_grace_s)
 
     def add_peer(self, metadata: PeerMetadata, regions: Sequence[Region] | None = None) -> Peer:
@@ -399,7 +365,9 @@ class Backend(abc.ABC):
             raise TransferError(f"notification must be bytes, got {type(notification).__name__}")
         if len(table) == 0:
             raise DescriptorError("empty descriptor table: nothing to transfer, no notification can be sent")
-        validate_table(table, self.regions, self._region_columns, peer)
+        n, who = table.length, f"peer {peer.agent_name!r}"
+        check_side("src", table.src_addr, n, table.src_region, self.regions, self._region_columns, "locally")
+        check_side("dst", table.dst_addr, n, table.dst_region, peer.regions, peer.columns, who)
         h = TransferHandle(
             self._next_id, peer, table.total_bytes, len(table), time.monotonic() + self.transfer_timeout_s
         )
@@ -497,12 +465,14 @@ class Backend(abc.ABC):
 
     def wakeup_fds(self) -> tuple[int, ...]:
         """File descriptors a poller can wait on for this engine's news (none: poll it)."""
-        return ()
+        return () if self._closed else tuple(w.fd for w in self._wakers)
 
     def clear_wakeups(self) -> None:
         """Drain :meth:`wakeup_fds` (call before looking at the engine, so news that comes
         after the look makes them readable again)."""
-        return None
+        if not self._closed:
+            for w in self._wakers:
+                w.drain()
 
     def receive_notifications(self) -> list[EngineNotification]:
         """Notifications that arrived since the last call, oldest first per sender."""
@@ -565,9 +535,6 @@ class Backend(abc.ABC):
         return handle
 
     # ---- engine hooks
-    @abc.abstractmethod
-    def _allocate(self, name: str, nbytes: int) -> HostBuffer: ...
-
     @abc.abstractmethod
     def _register(self, regions: list[Region]) -> None: ...
 

@@ -9,17 +9,11 @@ Any memory can be registered as a source; a target's memory must come from
 :meth:`LocalBackend.allocate` (see below). A dead peer makes the transfer FAILED (the kernel
 answers ``ESRCH``); a peer address that is not mapped fails it with ``EFAULT``.
 
-What a peer may make us write (checked in :meth:`LocalBackend.add_peer`, refused with a
-:class:`PeerError` naming the problem; see ``docs/hostile-peers.md``): the pid it names must be
-a live process that holds its inbox directory open (proof it is the local backend that created
-that inbox: :mod:`.peer_memory`), and every destination it publishes (each region, through its
-window if it gave one) must lie inside that process's ``/memfd:pdwire-*`` shared mappings, i.e.
-memory its backend allocated. A peer naming this process is refused unless it names another,
-live local backend of this process (an in-process pair) and that backend's allocated memory;
-never this backend's own.
-Last, the metadata must carry a proof of possession of that inbox (:mod:`.possession`: an
-HMAC keyed with the secret token the backend keeps in an owner-only file of its inbox), so a
-registered peer cannot name another live local backend of the host it does not run as.
+What a peer may make us write is checked in :meth:`LocalBackend.add_peer` (a
+:class:`PeerError` naming the problem): its pid holds its inbox open (:mod:`.peer_memory`), every
+destination lies in memory its backend allocated, an in-process peer names another live local
+backend, and the metadata proves possession of the inbox (:mod:`.possession`); the checks in
+full: ``docs/hostile-peers.md``.
 
 Revocation works like on the other engines: memory from :meth:`LocalBackend.allocate` is a
 memfd, and a peer given ``local_metadata(for_peer=...)`` writes through its own window,
@@ -45,12 +39,11 @@ import numpy.typing as npt
 from pdwire.runtime.backends import peer_memory, possession, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobThread
+from pdwire.runtime.backends.jobs import Job, JobThread, JobTransfers
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
 from pdwire.runtime.backends.values import (
     DONE,
     EngineNotification,
-    HostBuffer,
     Peer,
     PeerMetadata,
     PollResult,
@@ -135,15 +128,13 @@ class LocalBackend(JobTransfers, Backend):
         # after dropping one in) wake the owner's poller
         self._waker = Waker()
         self._inbox_waker = DatagramWaker(f"{self._inbox.path}/{WAKE_NAME}")
+        self._wakers = (self._waker, self._inbox_waker)
         self._worker = JobThread(f"pdwire-local-{self.agent_name}", on_done=self._waker.set)
         self._processes: set[_Process] = set()  # of the peers added and not yet removed
         with _live_lock:
             _live[self._inbox.path] = self
 
     # ---- memory
-    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
-        return self._shared_buffer(name, nbytes)
-
     def _register(self, regions: list[Region]) -> None:
         pass  # the kernel needs no registration: any mapped memory can be written
 
@@ -295,14 +286,6 @@ class LocalBackend(JobTransfers, Backend):
 
     def _receive_notifications(self) -> list[EngineNotification]:
         return [EngineNotification(s, p) for s, p in self._inbox.receive()]
-
-    def wakeup_fds(self) -> tuple[int, ...]:
-        return () if self.closed else (self._waker.fd, self._inbox_waker.fd)
-
-    def clear_wakeups(self) -> None:
-        if not self.closed:
-            self._waker.drain()
-            self._inbox_waker.drain()
 
     def _close(self) -> None:
         self._worker.stop()

@@ -1,54 +1,29 @@
 """``mooncake``: Mooncake's TransferEngine over TCP with the P2P handshake.
 
-Mapping onto Mooncake
----------------------
-* The engine is ``initialize(hostname, "P2PHANDSHAKE", protocol, device_name)``; its peers
-  know it as ``"<hostname>:<rpc port>"`` (carried in the metadata envelope), so ``hostname``
-  (a backend option) is the address this engine *advertises*: across hosts it must be one the
-  peers reach (the default 127.0.0.1 serves one host). Mooncake's listeners bind every
-  interface whatever it says. Adding a peer connects to its session and checks that the
-  engine answering there holds the peer's memory, so a wrong advertised address fails at the
-  handshake with a :class:`PeerError` naming it, not at the first write.
+Mapping onto Mooncake (measurements and the reasons: docs/fencing.md)
+---------------------------------------------------------------------
+* The engine is ``initialize(hostname, "P2PHANDSHAKE", protocol, device_name)``; peers know it
+  as ``"<hostname>:<rpc port>"`` (carried in the metadata envelope), so ``hostname`` is the
+  address this engine *advertises* (its listeners bind every interface). Adding a peer connects
+  to its session and checks that the engine answering there holds the peer's memory, so a wrong
+  advertised address fails at the handshake with a :class:`PeerError` naming it.
 * ``register`` -> ``register_memory(addr, len)`` per region (DRAM; this wheel has no CUDA).
-* ``post`` queues one job on the peer's workers (Mooncake's calls block: even
-  ``get_batch_transfer_status`` waits for the batch). Each peer has ``threads_per_peer``
-  worker threads (default 2), so a slow peer never holds up another and a peer's transfers
-  overlap their waits. The job writes the rows in chunks of at most ``max_batch``
-  descriptors with ``batch_transfer_sync_write``, and the *last* chunk with
-  ``batch_transfer_sync(..., Write, TransferNotify(agent_name, payload))``: the engine
-  hands the notification to the target after that batch's data, and the earlier chunks
-  completed before it was issued, so a received notification means every byte landed.
-  Mooncake's TCP transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``
-  descriptors per peer (1024, plus as many waiting for admission) and fails a batch past
-  that ("queue-full"): the backend raises that default to ``threads_per_peer * max_batch``
-  unless the variable is set.
-* ``TransferNotify.msg`` is a ``str`` that crosses the wire as UTF-8; arbitrary payload
-  bytes are carried losslessly by mapping each byte to one code point (latin-1).
-* Timeouts: ``transfer_timeout_s`` counts from when a worker started the job, not from the
-  post (a job queued behind others is not timed; cancelling skips it). A dead peer: the
-  write fails fast (connection refused / broken pipe, rc < 0) and the transfer is FAILED. A
-  hung peer (or a cut link) blocks the worker inside the engine until Mooncake's own
-  timeout ("no transfer progress within 30s; dropping connection"): at
-  ``transfer_timeout_s`` the transfer is cancelled, but Mooncake cannot stop a chunk in
-  flight, so it is reported FAILED only once that chunk returned.
-* Cancelling raises the job's flag and returns: a queued job is skipped, a running one
-  stops before its next chunk.
+* ``post`` queues one job on the peer's ``threads_per_peer`` workers (Mooncake's calls block).
+  The job writes chunks of at most ``max_batch`` rows with ``batch_transfer_sync_write`` and the
+  *last* with ``batch_transfer_sync(..., Write, TransferNotify(agent_name, payload))``, so a
+  received notification means every byte landed. The payload crosses as latin-1 text (one code
+  point per byte). Mooncake's TCP queue refuses a batch past
+  ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` descriptors: the backend raises that default to
+  ``threads_per_peer * max_batch`` unless the variable is set.
+* ``transfer_timeout_s`` counts from when a worker started the job. Cancelling raises the job's
+  flag: a queued job is skipped, a running one stops before its next chunk (Mooncake cannot stop
+  a chunk in flight, so a hung peer's transfer is FAILED once that chunk returned).
 
-What a FAILED from Mooncake does *not* mean: that its writes stopped. After a link cut,
-Mooncake reported the chunk failed at 30 s and still wrote 0.5-1.6 MB into the target once
-the link came back (the bytes its closed connection had left in the kernel's send buffer,
-received by the target's still-open session). ``final_states_fence`` is therefore False:
-a target must revoke a Mooncake initiator (:meth:`~.contract.Backend.revoke`) instead of
-taking its failure report as a fence. Revocation works here (see :mod:`.window`): Mooncake's
-TCP server checks a request's address against its registrations when it reads the request's
-header, so stale requests are refused once the window is deregistered, and a body it is
-already receiving lands in the junk pages the window is remapped to. See ``docs/fencing.md``.
-
-Mooncake sends a batch's ``TransferNotify`` after the batch's bytes landed; when that send
-fails (the link is down at that moment) it logs "Failed to send notify message" and still
-reports the batch done. ``notifications_reliable`` is therefore False: a decode rank takes a
-sender's Success status (sent over the control plane once every write of the room completed)
-as proof of its parts, so a lost notification does not fail a room whose bytes arrived.
+Mooncake's FAILED does not mean its writes stopped (after a link cut it still wrote into the
+target once the link came back): ``final_states_fence`` is False and a target revokes a Mooncake
+initiator instead (its TCP server checks each request's address against its registrations, and
+a body already being received lands in the remapped junk pages). A ``TransferNotify`` whose send
+fails is logged and the batch still reported done: ``notifications_reliable`` is False.
 """
 
 from __future__ import annotations
@@ -59,15 +34,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.contract import Backend, batches
 from pdwire.runtime.backends.errors import BackendUnavailable, PeerError, RegistrationError, TransferError
-from pdwire.runtime.backends.jobs import Job, JobTransfers, JobThread
+from pdwire.runtime.backends.jobs import Job, JobThread, JobTransfers
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
-from pdwire.runtime.backends.support import batches
 from pdwire.runtime.backends.values import (
     DONE,
     EngineNotification,
-    HostBuffer,
     Peer,
     PeerMetadata,
     PollResult,
@@ -76,14 +49,6 @@ from pdwire.runtime.backends.values import (
 )
 from pdwire.runtime.backends.wakeup import Waker
 from pdwire.runtime.descriptors import DescriptorTable, Region
-
-
-def _to_msg(payload: bytes) -> str:
-    return payload.decode("latin-1")
-
-
-def _from_msg(msg: str) -> bytes:
-    return msg.encode("latin-1")
 
 
 @dataclass(eq=False)
@@ -146,9 +111,7 @@ class MooncakeBackend(JobTransfers, Backend):
         self._registered: list[int] = []
         self._workers: list[JobThread] = []  # every peer's, stopped at close
         self._waker = Waker()
-
-    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
-        return self._shared_buffer(name, nbytes)
+        self._wakers = (self._waker,)
 
     def _register(self, regions: list[Region]) -> None:
         self._registered.extend(self._register_bases(regions))
@@ -258,7 +221,7 @@ class MooncakeBackend(JobTransfers, Backend):
         dst_addr = handle.peer.engine_dst(table.dst_addr, table.dst_region)
         src, dst, length = table.src_addr.tolist(), dst_addr.tolist(), table.length.tolist()
         chunks = batches(len(src), self.max_batch)
-        notify = self._notify_cls(self.agent_name, _to_msg(notification))
+        notify = self._notify_cls(self.agent_name, notification.decode("latin-1"))
         engine, op = self._engine, self._write_op
 
         def run(job: Job) -> PollResult:
@@ -277,14 +240,7 @@ class MooncakeBackend(JobTransfers, Backend):
 
     def _receive_notifications(self) -> list[EngineNotification]:
         got: list[Any] = self._engine.get_notifies()
-        return [EngineNotification(str(n.name), _from_msg(n.msg)) for n in got]
-
-    def wakeup_fds(self) -> tuple[int, ...]:
-        return () if self.closed else (self._waker.fd,)
-
-    def clear_wakeups(self) -> None:
-        if not self.closed:
-            self._waker.drain()
+        return [EngineNotification(str(n.name), n.msg.encode("latin-1")) for n in got]
 
     def _close(self) -> None:
         for worker in self._workers:  # a thread still inside an engine call is left to end alone

@@ -32,10 +32,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 from pdwire.runtime.backends import shm
-from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.contract import Backend, batches
 from pdwire.runtime.backends.errors import PeerError, RegistrationError, TransferError
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope, pid_alive
-from pdwire.runtime.backends.support import batches
 from pdwire.runtime.backends.values import (
     DONE,
     PENDING,
@@ -192,24 +191,24 @@ class MoriBackend(Backend):
         # once none is in progress.
         if any(st.InProgress() for st in x.statuses):
             return PENDING
+        x.status = self._finish(handle, x)
+        return x.status
+
+    def _finish(self, handle: TransferHandle, x: _Xfer) -> PollResult:
+        """The final state of a transfer none of whose writes is in progress; delivers its
+        notification when every write succeeded."""
         bad = next((st for st in x.statuses if st.Failed()), None)
         if bad is not None:
-            x.status = failed(f"MoRI status {bad.Code()!r}: {bad.Message()}")
-            return x.status
+            return failed(f"MoRI status {bad.Code()!r}: {bad.Message()}")
         if x.cancelled:
-            x.status = failed("cancelled")  # every byte landed, but the peer is not told
-            return x.status
+            return failed("cancelled")  # every byte landed, but the peer is not told
         peer = handle.peer
-        rem: _Remote = peer.private
         if not pid_alive(peer.pid):
-            x.status = failed(f"peer {peer.agent_name!r} (pid {peer.pid}) is gone")
-            return x.status
+            return failed(f"peer {peer.agent_name!r} (pid {peer.pid}) is gone")
         try:
-            shm.send(rem.inbox, self.agent_name, x.notification)
+            shm.send(peer.private.inbox, self.agent_name, x.notification)
         except OSError as exc:
-            x.status = failed(f"peer {peer.agent_name!r} inbox unavailable: {exc}")
-            return x.status
-        x.status = DONE
+            return failed(f"peer {peer.agent_name!r} inbox unavailable: {exc}")
         return DONE
 
     def _cancel(self, handle: TransferHandle) -> None:

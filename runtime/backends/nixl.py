@@ -21,20 +21,14 @@ Mapping onto NIXL
   ``send_notif``; its requests are polled with ``check_xfer_state`` until each is DONE or
   ERR, and only then is the transfer final (FAILED, or DONE if its notification rode on
   a WRITE that completed) and its requests released.
-* Repeated grids: :meth:`NixlBackend.post_prepped` takes a table whose every row is one
-  fixed-size slot of a region (e.g. a KV page grid); it builds both sides' prepped dlists
-  once per (peer, region pair, slot size) with ``prep_xfer_dlist`` and then posts with
-  ``make_prepped_xfer`` by slot index, which skips per-request descriptor preparation.
-* The same, automatically: ``post`` of a table whose rows are all one length, each a whole
-  slot of that length in its region (a page grid, a head-slice grid), uses prepped dlists of
-  every slot of the regions the table touches once the same layout (peer, row length, regions
-  on each side) comes a second time: the first post of a layout goes the ordinary way, and a
-  layout is prepped only while its slots stay few enough to list (``PREPPED_MAX_SLOTS`` a side;
-  at most ``PREPPED_LAYOUTS_PER_PEER`` layouts a peer). ``prepped_posts`` counts them.
-
-Progress thread: NIXL's Python wrapper starts it with a zero delay, i.e. spinning on a whole
-core per agent; this backend builds the agent with ``progress_delay_us`` (default 1000) so the
-thread sleeps in poll() on UCX's event fd between events (see ``_progress_delay``).
+* Repeated grids: ``post`` of a table whose rows are all one length, each a whole slot of that
+  length in its region (a page grid, a head-slice grid), uses prepped dlists
+  (``prep_xfer_dlist`` of every slot of the regions the table touches, then
+  ``make_prepped_xfer`` by slot index, which skips per-request descriptor preparation) once the
+  same layout (peer, row length, regions on each side) comes a second time: the first post of a
+  layout goes the ordinary way, and a layout is prepped only while its slots stay few enough to
+  list (``PREPPED_MAX_SLOTS`` a side; at most ``PREPPED_LAYOUTS_PER_PEER`` layouts a peer).
+  ``prepped_posts`` counts them.
 
 Set ``UCX_NET_DEVICES=lo`` on a single host and ``NIXL_LOG_LEVEL=WARN`` to quiet logs.
 """
@@ -50,21 +44,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from pdwire.runtime.backends.contract import Backend
+from pdwire.runtime.backends.contract import Backend, batches
 from pdwire.runtime.backends.errors import (
     BackendUnavailable,
-    DescriptorError,
     PeerError,
     RegistrationError,
     TransferError,
 )
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
-from pdwire.runtime.backends.support import batches
 from pdwire.runtime.backends.values import (
     DONE,
     PENDING,
     EngineNotification,
-    HostBuffer,
     Peer,
     PeerMetadata,
     PollResult,
@@ -264,21 +255,18 @@ class NixlBackend(Backend):
                 f"{os.environ.get('UCX_TLS') or 'default'}): {exc}; a device must exist and be up"
             ) from None
         self._reg_descs: list[Any] = []
-        # (peer, src region, dst region, slot size) -> prepped dlists; keyed by the Peer object,
-        # not its name, so a peer replaced under the same name never reuses stale dlists
+        # layout key (see _grid_key) -> prepped dlists; keyed by the Peer object, not its name,
+        # so a peer replaced under the same name never reuses stale dlists
         self._prepped: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         # layouts seen (automatic prepping): key -> posts; and per prepped layout, the first
         # slot index of each region in its dlists (by region id; -1: not in the layout)
         self._layouts_seen: dict[tuple[Any, ...], int] = {}
         self._grid_starts: dict[tuple[Any, ...], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
-        self.prepped_posts = 0  # posts that went through prepped dlists (post_prepped or automatic)
+        self.prepped_posts = 0  # posts that went through prepped dlists
         self._orphans: list[Any] = []  # request handles NIXL could not release yet
         self._local_cols: _RegionInfo | None = None
 
     # ---- memory
-    def _allocate(self, name: str, nbytes: int) -> HostBuffer:
-        return self._shared_buffer(name, nbytes)
-
     def _register(self, regions: list[Region]) -> None:
         self._reg_descs.extend(self._register_rows(regions))
 
@@ -443,49 +431,6 @@ class NixlBackend(Backend):
                 state = f"ERR (transfer() raised: {exc})"
             x.record(i, state, "transfer() returned", peer_name)
 
-    def post_prepped(
-        self, peer: Peer, table: DescriptorTable, notification: bytes, slot_bytes: int
-    ) -> TransferHandle:
-        """Post a table whose rows are whole ``slot_bytes`` slots of one src and one dst region.
-
-        The prepped dlists (every slot of the src region locally, of the dst region on the
-        peer) are built once and reused by every later call with the same key, which is
-        what pays off for a fixed KV page grid. Rows must be slot-aligned, else
-        DescriptorError.
-        """
-        h = self._admit(peer, table, notification)
-        if slot_bytes <= 0:
-            raise DescriptorError(f"post_prepped: slot size must be positive, got {slot_bytes}")
-        sreg, dreg = int(table.src_region[0]), int(table.dst_region[0])
-        if (table.src_region != sreg).any() or (table.dst_region != dreg).any():
-            raise DescriptorError("post_prepped: every row must use the same src and dst region")
-        if (table.length != slot_bytes).any():
-            raise DescriptorError(f"post_prepped: every row must be exactly {slot_bytes} bytes")
-        sr, dr = self.regions[sreg], peer.regions[dreg]
-        s_off = table.src_addr - np.uint64(sr.base)
-        d_off = table.dst_addr - np.uint64(dr.base)
-        if (s_off % np.uint64(slot_bytes)).any() or (d_off % np.uint64(slot_bytes)).any():
-            raise DescriptorError(f"post_prepped: rows are not aligned to {slot_bytes}-byte slots")
-        key = (peer, sreg, dreg, slot_bytes)
-        if key not in self._prepped:
-            delta = 0 if peer.dst_delta is None else int(peer.dst_delta[dreg])
-            self._prepped[key] = (
-                self._prep(sr, slot_bytes, "NIXL_INIT_AGENT"),
-                self._prep(dr, slot_bytes, peer.agent_name, delta),
-            )
-        lh, rh = self._prepped[key]
-        s_idx = (s_off // np.uint64(slot_bytes)).astype(np.int32)
-        d_idx = (d_off // np.uint64(slot_bytes)).astype(np.int32)
-        try:
-            req = self._agent.make_prepped_xfer("WRITE", lh, s_idx, rh, d_idx, bytes(notification))
-        except Exception as exc:
-            raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
-        h.private = x = _Xfer([req], notification, notify_after=False)
-        self._start(x, peer.agent_name)
-        self._handles[h.id] = h
-        self.prepped_posts += 1
-        return h
-
     def _grid_key(self, peer: Peer, table: DescriptorTable) -> tuple[Any, ...] | None:
         """The layout key of a table that fits a slot grid (one row length, every row a whole
         slot of its region, one memory kind a side, one engine request), or None."""
@@ -495,18 +440,15 @@ class NixlBackend(Backend):
         if slot <= 0 or (table.length != slot).any():
             return None
         key: list[Any] = [peer, "grid", slot]
-        for addrs, region_ids, regions in (
-            (table.src_addr, table.src_region, self.regions),
-            (table.dst_addr, table.dst_region, peer.regions),
+        for addrs, region_ids, regions, bases in (
+            (table.src_addr, table.src_region, self.regions, self._region_columns.bases),
+            (table.dst_addr, table.dst_region, peer.regions, peer.columns.bases),
         ):
             used = np.unique(region_ids)
             if len({regions[int(r)].kind for r in used}) != 1:
                 return None
             slots = sum(regions[int(r)].length // slot for r in used)
-            if slots > PREPPED_MAX_SLOTS:
-                return None
-            bases = np.array([regions[int(r)].base for r in range(len(regions))], dtype=np.uint64)
-            if ((addrs - bases[region_ids]) % np.uint64(slot)).any():
+            if slots > PREPPED_MAX_SLOTS or ((addrs - bases[region_ids]) % np.uint64(slot)).any():
                 return None
             key.append(tuple(int(r) for r in used))
         return tuple(key)
@@ -532,18 +474,12 @@ class NixlBackend(Backend):
         lh, rh = self._prepped[key]
         s_start, d_start = self._grid_starts[key]
         slot = np.uint64(key[2])
-        sbase = np.array([r.base for r in self.regions], dtype=np.uint64)
-        dbase = np.array([r.base for r in peer.regions], dtype=np.uint64)
-        s_idx = s_start[table.src_region] + ((table.src_addr - sbase[table.src_region]) // slot).astype(
-            np.int64
-        )
-        d_idx = d_start[table.dst_region] + ((table.dst_addr - dbase[table.dst_region]) // slot).astype(
-            np.int64
-        )
+        s_slot = (table.src_addr - self._region_columns.bases[table.src_region]) // slot
+        d_slot = (table.dst_addr - peer.columns.bases[table.dst_region]) // slot
+        s_idx = (s_start[table.src_region] + s_slot.astype(np.int64)).astype(np.int32)
+        d_idx = (d_start[table.dst_region] + d_slot.astype(np.int64)).astype(np.int32)
         try:
-            req = self._agent.make_prepped_xfer(
-                "WRITE", lh, s_idx.astype(np.int32), rh, d_idx.astype(np.int32), bytes(notification)
-            )
+            req = self._agent.make_prepped_xfer("WRITE", lh, s_idx, rh, d_idx, bytes(notification))
         except Exception as exc:
             raise TransferError(f"NIXL make_prepped_xfer to {peer.agent_name!r} failed: {exc}") from None
         handle.private = x = _Xfer([req], notification, notify_after=False)
@@ -583,15 +519,6 @@ class NixlBackend(Backend):
         self._prepped[key] = (handles[0], handles[1])
         self._grid_starts[key] = (starts[0], starts[1])
         self._layouts_seen.pop(key, None)
-
-    def _prep(self, r: Region, slot: int, agent: str, delta: int = 0) -> Any:
-        n = r.length // slot
-        rows = np.empty((n, 3), dtype=np.uint64)
-        base = (r.base + delta) % (1 << 64)  # the peer's window onto the region, if it gave one
-        rows[:, 0] = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
-        rows[:, 1] = slot
-        rows[:, 2] = r.device_id
-        return self._agent.prep_xfer_dlist(agent, rows, r.kind.value)
 
     def _poll(self, handle: TransferHandle) -> PollResult:
         x: _Xfer = handle.private

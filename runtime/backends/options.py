@@ -1,22 +1,12 @@
 """Backend options: one mechanism for every engine's host-facing and tuning settings.
 
-A backend's options are its constructor's keyword arguments beyond the two every backend
-takes (``agent_name``, ``transfer_timeout_s``, which the worker sets): the Python API
-passes them as values (``create_backend("mooncake", hostname="10.0.0.1")``); text from a
-command line, a config file or the environment goes through :func:`resolve_options`, which
-converts each value by the constructor's annotation and refuses an unknown name or a value
-of the wrong type with one :class:`BackendOptionError` naming backend, option and the
-options that exist. Each backend documents its options in ``OPTION_DOCS`` (shown by
-``pdwire serve --help-backend NAME`` and in docs/deployment.md).
-
-Text forms: ``name=value`` pairs (``--backend-option hostname=10.0.0.1``, repeatable), or
-one comma-separated list of them in ``PDWIRE_BACKEND_OPTIONS``. Booleans read
-``true/false/1/0/yes/no``; a ``dict[str, str]`` option reads ``k:v;k:v``; ``none`` (any
-case) is None for an optional option.
-
-:func:`host_defaults` derives the host-facing options from the one address a rank
-advertises, so that an operator names the host once: Mooncake's ``hostname``, MoRI's
-``host``, NIXL's ``net_devices`` (the interface holding that address).
+A backend's options are its constructor's keyword arguments beyond ``agent_name`` and
+``transfer_timeout_s``: values from Python, or text (``--backend-option``, a config file,
+``PDWIRE_BACKEND_OPTIONS``) converted by the constructor's annotation in
+:func:`resolve_options`, which refuses an unknown name or a bad value with one
+:class:`BackendOptionError` naming both. Each backend documents them in ``OPTION_DOCS``. The
+text forms and :func:`host_defaults` (the host-facing options derived from the one address a
+rank advertises): docs/deployment.md, "Backend options".
 """
 
 from __future__ import annotations
@@ -36,6 +26,7 @@ from pdwire.runtime.netif import interface_of, is_loopback
 ENV = "PDWIRE_BACKEND_OPTIONS"
 _COMMON = {"self", "agent_name", "transfer_timeout_s"}
 _NONE = "none"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 class BackendOptionError(BackendError, ValueError):
@@ -51,13 +42,8 @@ class BackendOption:
 
     @property
     def type_name(self) -> str:
-        return _type_name(self.annotation)
-
-
-def _type_name(t: Any) -> str:
-    if isinstance(t, type):
-        return t.__name__
-    return str(t).replace("typing.", "")
+        t = self.annotation
+        return t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
 
 
 def backend_class(name: str) -> type:
@@ -100,17 +86,9 @@ def _convert(backend: str, opt: BackendOption, value: object) -> Any:
     if t is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in {
-            "1",
-            "true",
-            "yes",
-            "on",
-            "0",
-            "false",
-            "no",
-            "off",
-        }:
-            return value.strip().lower() in {"1", "true", "yes", "on"}
+        word = value.strip().lower() if isinstance(value, str) else None
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
         raise bad(f"{value!r} is not a boolean")
     if t is int:
         if isinstance(value, int) and not isinstance(value, bool):

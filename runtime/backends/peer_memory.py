@@ -1,24 +1,12 @@
 """Where the ``local`` backend may write a peer: proof, from ``/proc``, that a named process is a
 pdwire local backend and that the addresses it published are memory that backend allocated.
 
-``process_vm_writev`` writes any address of any process the writer may ptrace (for root: any
-process). The pid, inbox and region rows in a peer's metadata are the peer's word, so before a
-peer is added the writer checks them against what the kernel says about that process:
-
-* :func:`inbox_holder_problem`: the process holds its inbox directory open (``/proc/<pid>/fd``).
-  :class:`~.shm.Inbox` keeps an ``O_DIRECTORY`` descriptor for its lifetime; a directory someone
-  else created under that process's name is held by nobody, and no outsider can make a process
-  open a file.
-* :func:`destination_problem`: every destination range lies inside shared memory from
-  :meth:`~.contract.Backend.allocate`: mappings of that process (``/proc/<pid>/maps``) that are
-  read-write, shared, of a memfd (the device memfds live on, so no file of any file system, and
-  no symlink: the kernel names the object it mapped) whose name starts ``pdwire-``
-  (:class:`~.window.SharedMemory` creates them so; a peer's windows are more mappings of the same
-  memfds). Heap, stack, code, anonymous memory, file mappings and a revoked window (anonymous
-  junk pages) are refused.
-
-Both are read at the handshake. Only the named process (or one that may ptrace it) can change
-its mappings afterwards; whatever it maps there later is its own memory.
+``process_vm_writev`` writes any address of a process the writer may ptrace, and a peer's pid,
+inbox and regions are only its word: :func:`inbox_holder_problem` checks that the process holds
+its inbox directory open (:class:`~.shm.Inbox` keeps it open; no outsider can make a process
+open a file), :func:`destination_problem` that every destination lies inside its read-write
+shared ``/memfd:pdwire-*`` mappings (:class:`~.window.SharedMemory` and its windows). Both are
+read at the handshake; the checks and their refusals in full: docs/hostile-peers.md (2 and 4).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Proof that a local backend's metadata comes from the backend whose inbox it names.
 
-The ``local`` backend's checks of ``/proc`` (:mod:`.peer_memory`) prove that the pid, inbox and
-regions in a peer's metadata belong to *some* live pdwire local backend. They cannot tell
-whether the peer that sent the metadata is that backend: a registered peer could name another
-live local backend of the host (its real pid, inbox and allocated memory) and have the KV it
-requests written there. So each backend holds a secret it never sends:
-
-* per incarnation a random token (:data:`TOKEN_BYTES`) in the file :data:`TOKEN_NAME` of its
-  inbox directory (the directory 0700, the file 0600, created with ``O_EXCL | O_NOFOLLOW``
-  relative to the directory's descriptor), readable only by its own uid and root;
-* its metadata carries :func:`proof`: an HMAC-SHA256 keyed with the token over its agent name,
-  pid and inbox, not the token itself.
-
-The writer (the side that is about to write the peer's memory, and so may ptrace it: the same
-uid, or root) reads the token from the inbox the metadata names and compares the HMAC in
-constant time (:func:`proof_problem`). A process of another uid cannot read the token, so it
-cannot make a proof for a backend it does not run as. An HMAC rather than the token itself:
-the value is bound to the agent name, pid and inbox it was made for, so a proof seen in one
-metadata blob is no proof for any other name or inbox. (Whoever sees a backend's metadata is a
-writer it registered with, which may write that backend anyway.)
-
-What it does not stop: a process of the victim's uid, or root, can read the token; it can also
-write the victim's memory directly (``/proc/<pid>/mem``), so the boundary is the uid, plus the
-control plane's authentication (``docs/hostile-peers.md``).
+The ``/proc`` checks (:mod:`.peer_memory`) prove that a peer's pid, inbox and regions are *some*
+live local backend's, not that the sender is that backend. So each backend keeps a random token
+(:data:`TOKEN_BYTES`) in the owner-only file :data:`TOKEN_NAME` of its inbox and publishes
+:func:`proof`, an HMAC-SHA256 of its agent name, pid and inbox keyed with it (bound to them, so a
+proof seen once proves nothing under another name). The writer, which may ptrace the peer and so
+runs as its uid or root, reads the token and compares in constant time (:func:`proof_problem`).
+The boundary is the uid: why, and every refusal, in docs/hostile-peers.md (check 6).
 
 :func:`proof` and :func:`token_stat_problem` are pure; :func:`create_token` and
 :func:`read_token` touch the file.

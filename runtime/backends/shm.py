@@ -54,10 +54,6 @@ def remove_path(path: str) -> None:
             os.unlink(path)
 
 
-def owned_paths() -> set[str]:
-    return set(_owned)
-
-
 def make_stem(token: str) -> str:
     return f"{SHM_DIR}/{PREFIX}{os.getpid()}-{token}"
 
@@ -107,7 +103,6 @@ class Mapping:
         self.array: npt.NDArray[np.uint8] | None = np.frombuffer(self.mm, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
         self.nbytes = nbytes
-        self.peer_base = 0  # for a peer's segment: its address in the peer's process
 
     def close(self) -> None:
         """Unmap if nobody else holds a view; otherwise the mapping dies with the last view."""

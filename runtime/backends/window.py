@@ -1,28 +1,15 @@
 """Revocable host memory: one shared object, a view for its owner, one alias per writer.
 
-Why
----
-Every engine here writes a target's memory through the *virtual addresses* the target
-published: UCX over TCP and Mooncake's TCP transport receive into them in the target's own
-threads, UCX's cma and the ``local`` backend copy into them from the writer with
-``process_vm_writev``. Deregistering the memory stops none of them (measured: the late bytes
-of a stuck or stopped writer landed after deregistration with NIXL and Mooncake alike, see
-``docs/fencing.md``). What does stop them is to make the published addresses no longer
-reach the live memory.
-
-So memory from :meth:`Backend.allocate` is a memfd mapped once for its owner
-(:class:`SharedMemory`: ``address``, ``array``; this mapping never moves) and once more per
-peer (:class:`Window`): a peer is told the window's addresses. Revoking a window maps fresh
-anonymous pages over it in one ``mmap(MAP_FIXED)`` call. A late write through the old
-addresses then lands in those junk pages, never in the memfd's pages, and never faults (the
-addresses stay mapped until the backend closes). The owner's view and every other peer's
-window are untouched. On RDMA the engine's deregistration of the window (done first) is what
-invalidates the peer's key; the remap covers the transports that write through addresses.
-
-What remains: a copy already *inside* the kernel (``process_vm_writev`` pins up to 16 pages
-at a time, then copies into them after releasing the address-space lock) can finish into
-the pages it pinned before the remap. ``settles_at`` in :class:`~.values.Revocation` gives that
-copy a grace period before the memory may be reused.
+Every engine here writes a target's memory through the virtual addresses it published, and
+deregistering the memory stops none of them (measured: ``docs/fencing.md``); making those
+addresses no longer reach the live memory does. So memory from :meth:`Backend.allocate` is a
+memfd mapped once for its owner (:class:`SharedMemory`; this mapping never moves) and once more
+per peer (:class:`Window`), whose addresses the peer is told. Revoking a window maps fresh
+anonymous pages over it in one ``mmap(MAP_FIXED)``: a late write lands in those junk pages and
+never faults; the owner's view and other peers' windows are untouched. On RDMA the engine's
+deregistration of the window (done first) invalidates the peer's key. A copy already inside the
+kernel (``process_vm_writev`` pins up to 16 pages, then copies) can still finish into the pages
+it pinned: ``settles_at`` of :class:`~.values.Revocation` gives it a grace period.
 """
 
 from __future__ import annotations
