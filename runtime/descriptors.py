@@ -127,15 +127,34 @@ class DescriptorTable:
             np.concatenate([t.dst_region for t in tables]),
         )
 
-    def slice(self, start: int, stop: int) -> DescriptorTable:
-        """Rows [start, stop): used to post a large table in bounded batches."""
+    def take(self, rows: npt.NDArray[np.intp]) -> DescriptorTable:
+        """The rows at ``rows``, in that order."""
         return DescriptorTable(
-            self.src_addr[start:stop],
-            self.dst_addr[start:stop],
-            self.length[start:stop],
-            self.src_region[start:stop],
-            self.dst_region[start:stop],
+            self.src_addr[rows],
+            self.dst_addr[rows],
+            self.length[rows],
+            self.src_region[rows],
+            self.dst_region[rows],
         )
+
+    def merged(self) -> DescriptorTable:
+        """Consecutive rows (in table order) that continue one another on both sides, in the same
+        regions, merged into one; ``self`` when none do."""
+        if len(self) < 2:
+            return self
+        s, d, n = self.src_addr, self.dst_addr, self.length
+        sr, dr = self.src_region, self.dst_region
+        cont = (
+            (s[1:] == s[:-1] + n[:-1])
+            & (d[1:] == d[:-1] + n[:-1])
+            & (sr[1:] == sr[:-1])
+            & (dr[1:] == dr[:-1])
+        )
+        if not cont.any():
+            return self
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        lengths = np.add.reduceat(n, starts).astype(np.uint64, copy=False)
+        return DescriptorTable(s[starts], d[starts], lengths, sr[starts], dr[starts])
 
     def mergeable_pairs(self) -> npt.NDArray[np.intp]:
         """Row pairs ``(i, j)`` that could be one descriptor: row j starts where row i ends on both

@@ -95,7 +95,10 @@ def _kind(ts: Sequence[torch.Tensor], what: str) -> tuple[MemoryKind, int]:
     devices = {(t.device.type, t.device.index) for t in ts}
     if len(devices) != 1:
         raise ConfigError(f"{what}: tensors on several devices {sorted(map(str, devices))}")
-    dev_type, index = devices.pop()
+    return _memory_kind(*devices.pop())
+
+
+def _memory_kind(dev_type: str, index: int | None) -> tuple[MemoryKind, int]:
     return (MemoryKind.DRAM, 0) if dev_type == "cpu" else (MemoryKind.VRAM, index or 0)
 
 
@@ -254,7 +257,7 @@ def state_component(
     name, or a tensor on it) is where they live: CPU memory is DRAM, anything else VRAM."""
     th = _torch()
     dev = device.device if isinstance(device, th.Tensor) else th.device(device)
-    kind_, device_id = (MemoryKind.DRAM, 0) if dev.type == "cpu" else (MemoryKind.VRAM, dev.index or 0)
+    kind_, device_id = _memory_kind(dev.type, dev.index)
     return StatePool(
         kind,
         indexing,

@@ -1,13 +1,10 @@
 """Destination items of one request must not overlap, also where registrations alias.
 
-Within one buffer, distinct indices are distinct items (a repeated index is refused as a
-duplicate); within one item, the tensors of one index space were checked disjoint when the
-memory was validated. What is left is memory addressed by more than one index space (vLLM's
-Mamba group and attention group on the same blocks, a KV layer and a state component on one
-allocation) or by buffers of one space at different bases: there, which bytes a request writes
-depends on its indices, so each request is checked. The check is prepared once per peer from the
-destination memory alone (every prefill rank of a room refuses the same request) and costs
-nothing for memory without such registrations.
+Distinct indices of one buffer are distinct items, and the tensors of one index space were
+checked disjoint inside an item; what is left is memory addressed by several index spaces
+(vLLM's Mamba and attention groups on the same blocks) or by buffers of one space at different
+bases, where the bytes a request writes depend on its indices. The check is prepared once per
+peer from the destination memory alone and costs nothing for memory without such registrations.
 """
 
 from __future__ import annotations

@@ -105,40 +105,35 @@ def _destination_order(d: U64, component: str) -> npt.NDArray[np.intp] | None:
 
 def check_bounds(buffers: BufferSet, src: U64, dst: U64) -> None:
     """Every item addressed must lie inside its registered region on both sides."""
-    if len(src) == 0:
-        return
-    for side, indices, capacity, limits in (
-        ("source", src, buffers.src_capacity, buffers.src_limits),
-        ("destination", dst, buffers.dst_capacity, buffers.dst_limits),
-    ):
-        highest = int(indices.max())
-        bad = np.flatnonzero(capacity <= np.uint64(highest))
-        if len(bad):
-            entry = int(bad[0])
-            limit = int(capacity[entry])
-            tensor, layer = limits[entry]
-            raise IndexOutOfRange(
-                f"{side} index {highest} outside the registered region ({limit} items fit)",
-                component=buffers.component,
-                tensor=tensor,
-                layer=layer,
-                index=highest,
-            )
+    if len(src):
+        b, where = buffers, "outside the registered region"
+        _check_side("source", src, b.src_capacity, b.src_limits, b.component, where)
+        _check_side("destination", dst, b.dst_capacity, b.dst_limits, b.component, where)
 
 
 def check_destination_bounds(buffers: BufferSet, dst: U64, component: str) -> None:
     """Every destination item must lie inside the peer's registered regions: checked once per
     request, before any of it is planned (a request past the pools is refused whole)."""
-    if len(dst) == 0:
-        return
-    highest = int(dst.max())
-    bad = np.flatnonzero(buffers.dst_capacity <= np.uint64(highest))
+    if len(dst):
+        where = "is past the registered pool"
+        _check_side("destination", dst, buffers.dst_capacity, buffers.dst_limits, component, where)
+
+
+def _check_side(
+    side: str,
+    indices: U64,
+    capacity: U64,
+    limits: tuple[tuple[str, int], ...],
+    component: str,
+    where: str,
+) -> None:
+    highest = int(indices.max())
+    bad = np.flatnonzero(capacity <= np.uint64(highest))
     if len(bad):
         entry = int(bad[0])
-        tensor, layer = buffers.dst_limits[entry]
+        tensor, layer = limits[entry]
         raise IndexOutOfRange(
-            f"destination index {highest} is past the registered pool "
-            f"({int(buffers.dst_capacity[entry])} items fit)",
+            f"{side} index {highest} {where} ({int(capacity[entry])} items fit)",
             component=component,
             tensor=tensor,
             layer=layer,
@@ -152,16 +147,9 @@ def coalesce_table(table: DescriptorTable) -> DescriptorTable:
     disjoint (they are: ``PeerPlan.check_request``); sorted by destination, one pass is minimal."""
     if len(table) < 2:
         return table
-    order = np.argsort(table.dst_addr, kind="stable")
-    s, d, n = table.src_addr[order], table.dst_addr[order], table.length[order]
-    sr, dr = table.src_region[order], table.dst_region[order]
-    adjacent = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-    continues = adjacent & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
-    if not continues.any():
-        return table
-    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-    lengths = np.add.reduceat(n, starts).astype(np.uint64, copy=False)
-    return DescriptorTable(s[starts], d[starts], lengths, sr[starts], dr[starts])
+    ordered = table.take(np.argsort(table.dst_addr, kind="stable"))
+    merged = ordered.merged()
+    return table if merged is ordered else merged
 
 
 def expand(buffers: BufferSet, src: U64, dst: U64) -> DescriptorTable:

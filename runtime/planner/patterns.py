@@ -41,16 +41,6 @@ class Pattern:
     def __len__(self) -> int:
         return len(self.src_off)
 
-    @property
-    def is_whole_item(self) -> bool:
-        return (
-            len(self) == 1
-            and self.src_item == self.dst_item
-            and int(self.src_off[0]) == 0
-            and int(self.dst_off[0]) == 0
-            and int(self.length[0]) == self.src_item
-        )
-
     @classmethod
     def from_rows(
         cls, src: list[int], dst: list[int], length: list[int], src_item: int, dst_item: int

@@ -17,6 +17,7 @@ from pdwire.runtime.planner.aliasing import DestinationOverlaps, destination_ove
 from pdwire.runtime.planner.errors import (
     GeometryMismatch,
     MissingShardingInfo,
+    PlanError,
     TopologyError,
 )
 from pdwire.runtime.planner.kernel import BufferSet
@@ -113,57 +114,41 @@ def _axis_pattern(pair: _Pair, src: StateTensor, dst: StateTensor, component: st
     taken from that side: both sides hold the same model (the handshake checks the fingerprint),
     and the split belongs to the model, not to a side (SGLang's decode never declares it).
     """
+
+    def bad(why: str, kind: type[PlanError] = GeometryMismatch) -> PlanError:
+        return kind(why, component=component, tensor=src.name)
+
     if src.sharded_axis_size is None or dst.sharded_axis_size is None:
-        raise MissingShardingInfo(
+        raise bad(
             f"TP differs (prefill {pair.src_tp}, decode {pair.dst_tp}) but the sharded-axis size is "
             f"missing on {'prefill' if src.sharded_axis_size is None else 'decode'}; "
             "a whole-slot copy would corrupt state",
-            component=component,
-            tensor=src.name,
+            MissingShardingInfo,
         )
     if src.outer_rows != dst.outer_rows:
-        raise GeometryMismatch(
-            f"rows around the sharded axis differ: prefill {src.outer_rows}, decode {dst.outer_rows}",
-            component=component,
-            tensor=src.name,
-        )
+        raise bad(f"rows around the sharded axis differ: prefill {src.outer_rows}, decode {dst.outer_rows}")
     src_unit = src.bytes_per_slot // (src.sharded_axis_size * src.outer_rows)
     dst_unit = dst.bytes_per_slot // (dst.sharded_axis_size * dst.outer_rows)
     if src_unit != dst_unit:
-        raise GeometryMismatch(
-            f"bytes per sharded-axis element differ: prefill {src_unit}, decode {dst_unit}",
-            component=component,
-            tensor=src.name,
-        )
+        raise bad(f"bytes per sharded-axis element differ: prefill {src_unit}, decode {dst_unit}")
     full = src.sharded_axis_size * pair.src_tp
     dst_full = dst.sharded_axis_size * pair.dst_tp
     if full != dst_full:
-        raise GeometryMismatch(
+        raise bad(
             f"full axis size disagrees: prefill {src.sharded_axis_size}x{pair.src_tp}, "
-            f"decode {dst.sharded_axis_size}x{pair.dst_tp}",
-            component=component,
-            tensor=src.name,
+            f"decode {dst.sharded_axis_size}x{pair.dst_tp}"
         )
     declared = [b for b in (src.sub_block_sizes, dst.sub_block_sizes) if b is not None]
     if len(declared) == 2 and declared[0] != declared[1]:
-        raise GeometryMismatch(
-            f"sub-block sizes differ: prefill {declared[0]}, decode {declared[1]}",
-            component=component,
-            tensor=src.name,
-        )
+        raise bad(f"sub-block sizes differ: prefill {declared[0]}, decode {declared[1]}")
     blocks = declared[0] if declared else (full,)
     if sum(blocks) != full:
-        raise GeometryMismatch(
-            f"full axis size disagrees: sub-blocks sum {sum(blocks)}, the axis is {full}",
-            component=component,
-            tensor=src.name,
-        )
+        raise bad(f"full axis size disagrees: sub-blocks sum {sum(blocks)}, the axis is {full}")
     for block in blocks:
         if block % pair.src_tp or block % pair.dst_tp:
-            raise TopologyError(
+            raise bad(
                 f"sub-block of size {block} cannot be sharded over TP {pair.src_tp} and {pair.dst_tp}",
-                component=component,
-                tensor=src.name,
+                TopologyError,
             )
     return axis_slice(
         src_item=src.bytes_per_slot,
@@ -345,6 +330,10 @@ def _prepare_kv(
     return SetGroup(*_buffer_sets("kv", entries))
 
 
+def _tensor_side(t: StateTensor, layer: int, region: int) -> tuple[int, int, int, int]:
+    return _side(t.base_addrs[layer], t.region_lens[layer], region, t.offset, t.bytes_per_slot, t.stride)
+
+
 def _tensor_pattern(pair: _Pair, src_c: StatePool, dst_c: StatePool, si: int, name: str) -> Pattern:
     src, dst = src_c.tensors[si], dst_c.tensors[si]
     if src_c.heads is not None or dst_c.heads is not None:
@@ -405,28 +394,9 @@ def _prepare_state(
                 )
             pattern = _tensor_pattern(pair, src_c, dst_c, si, name)
             for i, (layer, p) in enumerate(zip(src_layers, positions, strict=True)):
+                src_side = _tensor_side(src_t, i, li.state[ci][si][i])
                 entries.append(
-                    _Entry(
-                        src_t.name,
-                        layer,
-                        pattern,
-                        _side(
-                            src_t.base_addrs[i],
-                            src_t.region_lens[i],
-                            li.state[ci][si][i],
-                            src_t.offset,
-                            src_t.bytes_per_slot,
-                            src_t.stride,
-                        ),
-                        _side(
-                            dst_t.base_addrs[p],
-                            dst_t.region_lens[p],
-                            ri.state[ci][si][p],
-                            dst_t.offset,
-                            dst_t.bytes_per_slot,
-                            dst_t.stride,
-                        ),
-                    )
+                    _Entry(src_t.name, layer, pattern, src_side, _tensor_side(dst_t, p, ri.state[ci][si][p]))
                 )
         out.append(SetGroup(*_buffer_sets(name, entries)))
     return tuple(out)

@@ -1,12 +1,10 @@
 """The deterministic region list of one rank: what backends register and descriptors point into.
 
-Buffers are listed in one canonical order: KV K buffers of every held layer, then V buffers (MLA:
-the latent buffers only), then for each state component, for each tensor, one buffer per layer,
-then one buffer per aux buffer. Buffers whose extents overlap are ONE registration (aliasing: K
-and V interleaved in one allocation, a Mamba group and an attention group on the same memory):
-its region spans the union of their extents and is registered once. Regions are numbered by
-their first buffer in canonical order, so without aliasing region ``i`` is buffer ``i``, as
-before. ``DescriptorTable.src_region`` / ``dst_region`` are indices into exactly this list.
+Canonical buffer order: KV K buffers of every held layer, then V (MLA: latent only), then per
+state component, per tensor, one buffer per layer, then the aux buffers. Buffers whose extents
+overlap are ONE registration spanning their union (aliasing, docs/planner.md), numbered by its
+first buffer, so without aliasing region ``i`` is buffer ``i``. ``DescriptorTable.src_region`` /
+``dst_region`` index exactly this list.
 """
 
 from __future__ import annotations

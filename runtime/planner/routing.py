@@ -21,13 +21,6 @@ def check_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
         raise TopologyError(f"TP sizes must divide one another, got prefill {prefill_tp}, decode {decode_tp}")
 
 
-def check_heads(total_heads: int, tp_size: int, side: str) -> None:
-    if total_heads < 1:
-        raise TopologyError(f"{side}: total KV heads must be >= 1, got {total_heads}")
-    if max(total_heads, tp_size) % min(total_heads, tp_size):
-        raise TopologyError(f"{side}: {total_heads} KV heads cannot be split over TP {tp_size}")
-
-
 def heads_held(tp_size: int, tp_rank: int, total_heads: int) -> tuple[int, int]:
     """Global KV head range ``[lo, hi)`` held by one rank."""
     if total_heads >= tp_size:

@@ -10,19 +10,17 @@ from pdwire.runtime.planner.model import UNPLANNABLE_KINDS, HeadGeometry, Indexi
 U64_LIMIT = 1 << 64
 
 
+def _bad(side: str, component: str, tensor: str, why: str) -> GeometryMismatch:
+    return GeometryMismatch(f"{side}: {why}", component=component, tensor=tensor)
+
+
 def _check_buffers(
     side: str, component: str, tensor: str, bases: tuple[int, ...], lens: tuple[int, ...], item: int
 ) -> None:
     if item <= 0:
-        raise GeometryMismatch(
-            f"{side}: item size must be positive, got {item}", component=component, tensor=tensor
-        )
+        raise _bad(side, component, tensor, f"item size must be positive, got {item}")
     if len(bases) != len(lens):
-        raise GeometryMismatch(
-            f"{side}: {len(bases)} base addresses but {len(lens)} region lengths",
-            component=component,
-            tensor=tensor,
-        )
+        raise _bad(side, component, tensor, f"{len(bases)} base addresses but {len(lens)} region lengths")
     for layer, (base, length) in enumerate(zip(bases, lens, strict=True)):
         if base < 0 or length < 0 or base + length > U64_LIMIT:
             raise GeometryMismatch(
@@ -38,11 +36,8 @@ def _check_item_placement(
 ) -> None:
     """An item lies inside its stride: ``offset + item <= stride`` (both non-negative)."""
     if stride < 1 or offset < 0 or offset + item > stride:
-        raise GeometryMismatch(
-            f"{side}: an item of {item} bytes at offset {offset} does not fit a stride of {stride} bytes",
-            component=component,
-            tensor=tensor,
-        )
+        why = f"an item of {item} bytes at offset {offset} does not fit a stride of {stride} bytes"
+        raise _bad(side, component, tensor, why)
 
 
 def _check_disjoint_in_item(
@@ -187,11 +182,7 @@ def validate_memory(memory: RankMemory, side: str) -> None:
                 side, name, tensor.name, tensor.base_addrs, tensor.region_lens, tensor.bytes_per_slot
             )
             if len(tensor.base_addrs) != layers:
-                raise GeometryMismatch(
-                    f"{side}: tensors of one component must hold the same layers",
-                    component=name,
-                    tensor=tensor.name,
-                )
+                raise _bad(side, name, tensor.name, "tensors of one component must hold the same layers")
             if component.heads is not None:
                 check_head_geometry(side, name, component.heads, pos.tp_size, tensor.bytes_per_slot)
             _check_item_placement(
@@ -199,35 +190,27 @@ def validate_memory(memory: RankMemory, side: str) -> None:
             )
             axis = tensor.sharded_axis_size
             if tensor.outer_rows < 1:
-                raise GeometryMismatch(
-                    f"{side}: outer_rows must be >= 1, got {tensor.outer_rows}",
-                    component=name,
-                    tensor=tensor.name,
-                )
+                raise _bad(side, name, tensor.name, f"outer_rows must be >= 1, got {tensor.outer_rows}")
             if axis is not None and (axis < 1 or tensor.bytes_per_slot % (axis * tensor.outer_rows)):
-                raise GeometryMismatch(
-                    f"{side}: bytes_per_slot {tensor.bytes_per_slot} is not outer_rows {tensor.outer_rows} "
+                raise _bad(
+                    side,
+                    name,
+                    tensor.name,
+                    f"bytes_per_slot {tensor.bytes_per_slot} is not outer_rows {tensor.outer_rows} "
                     f"x sharded_axis_size {axis} x whole bytes per element",
-                    component=name,
-                    tensor=tensor.name,
                 )
             if axis is None and tensor.outer_rows != 1:
-                raise GeometryMismatch(
-                    f"{side}: outer_rows {tensor.outer_rows} without a sharded axis",
-                    component=name,
-                    tensor=tensor.name,
-                )
+                raise _bad(side, name, tensor.name, f"outer_rows {tensor.outer_rows} without a sharded axis")
             if tensor.replicated and axis is not None:
-                raise GeometryMismatch(
-                    f"{side}: a tensor is either replicated or sharded along an axis, not both",
-                    component=name,
-                    tensor=tensor.name,
+                raise _bad(
+                    side,
+                    name,
+                    tensor.name,
+                    "a tensor is either replicated or sharded along an axis, not both",
                 )
             blocks = tensor.sub_block_sizes
             if blocks is not None and (not blocks or min(blocks) < 1):
-                raise GeometryMismatch(
-                    f"{side}: sub_block_sizes must be positive", component=name, tensor=tensor.name
-                )
+                raise _bad(side, name, tensor.name, "sub_block_sizes must be positive")
         _check_disjoint_in_item(
             side,
             name,

@@ -1,16 +1,10 @@
 """Executing a local copy table (a staged gather or scatter) on this process's memory.
 
-:class:`HostCopier` runs the rows of a :class:`DescriptorTable` whose both sides are regions of
-this process (host memory), after checking every row against them. Rows come in long segments of
-one length between one source and one destination region (one layer's head slices, in order),
-and a segment whose rows sit on a grid of their own length is one numpy call: ``take`` into a
-contiguous staging range (gather) or a fancy-index store out of one (scatter), both of which
-copy row by row in C without the GIL. Anything else is copied row by row with ``memmove``.
-
-This is the host implementation of :class:`Copier`. Device memory needs a device copier with
-the same one method: a batched gather/scatter kernel (or ``cudaMemcpyBatchAsync``) over the
-table's address columns, run on the stream that produced the cache, is where a GPU kernel plugs
-in; the staging transform and the cost model do not change.
+:class:`HostCopier` checks every row against this process's host regions, then copies: a
+segment of rows of one length on a grid of that length is one numpy ``take`` (gather) or
+fancy-index store (scatter), C loops without the GIL; anything else goes row by row. Device
+memory needs a device copier with the same one method (:class:`Copier`: a batched gather /
+scatter kernel on the cache's stream); the transform and the cost model do not change.
 """
 
 from __future__ import annotations

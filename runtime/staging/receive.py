@@ -1,16 +1,11 @@
 """Decode-side scatter, the pure part: where a prefill rank's staged KV bytes go.
 
-A prefill rank that scatters writes a KV chunk's bytes into the decode rank's receive staging
-buffer in the canonical order of :func:`.transform.scatter_write` (the chunk's destination rows
-sorted by region and address). The decode rank then needs the same destination rows, and it
-computes them itself: it runs the planner for (that prefill rank -> itself) over the chunk's
-pages with a *stand-in* of the prefill rank's memory, built from the head geometry the rank
-sent (``RegisterAck.kv_heads``) and its position. The stand-in's addresses are made up; only the
-destination side of its tables is used (:func:`.transform.scatter_copy`), and that side is this
-rank's own memory, so whatever a peer claims, the copy lands only in the pages of the room it
-names, as a direct write could.
-
-Pure: values in, values out.
+The prefill rank writes a chunk into the decode rank's receive staging in the order of
+:func:`.transform.scatter_write`. The decode rank computes the same destination rows itself, by
+planning (that prefill rank -> itself) with a *stand-in* of the prefill rank's memory built from
+the head geometry it sent (``RegisterAck.kv_heads``) on made-up addresses: only the destination
+side, this rank's own memory, is used (:func:`.transform.scatter_copy`), so whatever a peer
+claims, the copy lands only in the pages of the room it names, as a direct write could.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """Staged transfers: a planner's descriptor table rewritten through contiguous staging buffers.
 
-A table of many small rows (NHD pages between different TP sizes: one row per token, layer and
-K/V, a head slice of a few hundred bytes) costs the engine per row. Staging moves those rows
-with host (or device) copies instead, so the engine sees few large rows:
+Many small rows (NHD pages between TP sizes: a head slice per token, layer and K/V) cost the
+engine per row; staging moves them with host (or device) copies so the engine sees few large
+rows (why and when: docs/request-efficiency.md):
 
-* **gather** (prefill side): copy every row's source bytes into a local staging buffer, in
-  destination order, then write staging -> destination. Rows whose destinations are adjacent
-  become one engine row: one per destination run (NHD P2 -> D4: one per page run per layer,
-  because a decode rank's head slice is its whole page).
-* **scatter** (decode side): write source -> a staging buffer on the peer, in destination order,
-  one engine row per run that continues on the source side too; the peer then copies every row
-  into place. Destination order is what the peer can compute alone (it knows where the bytes go,
-  never where they come from): the staged byte at offset ``o`` is the ``o``-th byte of the
-  part's destination rows sorted by (region, address), on both sides, whatever the row cuts.
-* **both**: gather locally, write the staging buffer in a handful of rows, scatter remotely.
+* **gather** (prefill side): copy every row's source into local staging in destination order,
+  then write staging -> destination, one engine row per destination run.
+* **scatter** (decode side): write source -> the peer's staging in destination order, one row
+  per run that continues on the source side too; the peer copies every row into place.
+  Destination order is what the peer can compute alone: the staged byte at offset ``o`` is the
+  ``o``-th byte of the destination rows sorted by (region, address), whatever the row cuts.
+* **both**: gather locally, write staging in a handful of rows, scatter remotely.
 
-Each step is itself a :class:`DescriptorTable` (``gather``: local -> local staging; ``write``:
-what the engine posts; ``scatter``: remote staging -> remote destination, executed by the peer),
-so every step can be checked against its regions and executed by the reference executor: the
-oracle tests prove that the staged steps write exactly the bytes the direct table writes.
-Pure: numpy in, tables out.
+Each step is a :class:`DescriptorTable` (``gather``: local -> local staging; ``write``: what the
+engine posts; ``scatter``: remote staging -> destination, run by the peer), so the reference
+executor runs it and the oracle tests prove the steps write exactly what the direct table does.
 """
 
 from __future__ import annotations
@@ -66,16 +61,7 @@ def direct(table: DescriptorTable) -> StagedPlan:
 
 def merge_runs(table: DescriptorTable) -> DescriptorTable:
     """Merge consecutive rows (in table order) that continue one another on both sides."""
-    if len(table) < 2:
-        return table
-    s, d, n = table.src_addr, table.dst_addr, table.length
-    sr, dr = table.src_region, table.dst_region
-    cont = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
-    if not cont.any():
-        return table
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    lengths = np.add.reduceat(n, starts).astype(np.uint64, copy=False)
-    return DescriptorTable(s[starts], d[starts], lengths, sr[starts], dr[starts])
+    return table.merged()
 
 
 def _order(addr: np.ndarray, region: np.ndarray) -> np.ndarray | None:
