@@ -1,22 +1,15 @@
-"""The decode side of one prefill rank's control connection: a pure state machine (h11 style).
+"""The decode side of one prefill rank's control connection: a pure state machine (h11 style;
+its moves: ``DECODE_CONNECTION`` in :mod:`.states`).
 
-:meth:`DecodeConnection.start` says the Hello to send; each decoded message from the prefill
-rank goes to :meth:`DecodeConnection.receive`, which returns :mod:`.events`. Its moves are the
-table ``DECODE_CONNECTION`` in :mod:`.states`. The Hello passes the same checks both sides run,
-then our RegisterInfo goes at the agreed version, and their answer (a ``RegisterAck`` from the
-version that introduced it, a ``TransferStatus`` for the reserved room 0 before) makes the
-connection ready, or it is refused with the cause named: the peer's reason, a version that
-cannot carry this rank's memory (``DowngradeError``), a peer that says it is another rank than
-the one expected at that endpoint, or the handshake deadline (:meth:`on_tick`). Once ready,
-statuses, notifications on the control socket and AbortAcks become typed room events.
+:meth:`DecodeConnection.start` says the Hello to send; each decoded message goes to
+:meth:`DecodeConnection.receive`, which returns :mod:`.events`. The answer to our RegisterInfo
+(a ``RegisterAck`` from the version that introduced it, a ``TransferStatus`` for the reserved
+room 0 before) makes the connection ready, or it is refused with the cause named.
 
-After this rank revoked the prefill rank (cut it off its memory), :meth:`reregister` sends a
-RegisterInfo with new metadata (new windows); a refusal (a NIXL prefill rank refuses while its
-old transfers to this rank are still stopping) leaves it in ``RETRY`` and the edge registers
-again later. Room messages keep flowing meanwhile; only a ready connection takes new rooms.
-
-The builders (:meth:`transfer_request`, :meth:`abort`) turn the session's actions into
-messages; the edge encodes every :class:`~.events.Send` at the version it carries.
+After this rank revoked the prefill rank, :meth:`reregister` sends a RegisterInfo with new
+windows; a refusal (a NIXL prefill rank refuses while its old transfers to this rank are still
+stopping) leaves it in ``RETRY`` and the edge registers again later. Room messages keep flowing
+meanwhile; only a ready connection takes new rooms.
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
-"""The prefill side of one decode peer's control connection: a pure state machine (h11 style).
+"""The prefill side of one decode peer's control connection: a pure state machine (h11 style;
+its moves: ``PREFILL_CONNECTION`` in :mod:`.states`).
 
-The edge decodes each message from the peer and hands it to :meth:`PrefillConnection.receive`;
-it gets back :mod:`.events`: messages to send (at the version this machine agreed), an
-:class:`~.events.AddPeer` for the transfer engine, and typed room events. The machine owns the
-handshake and every version rule of it:
-
-* ``Hello``: the same checks both sides run (:func:`.hello.check_hello`: version agreement,
-  roles, model, TP sizes; a descriptor-addressed backend refuses a version that cannot carry its
-  descriptors). Every Hello is answered with ours, refused or not, so the peer can name the cause.
-* ``RegisterInfo``: rebuilt as the planner's memory and validated against this rank's
-  (:func:`.registration.remote_memory`), prepared once (``prepare_peer``); then the engine adds
-  the peer (``AddPeer`` -> :meth:`peer_added` / :meth:`peer_refused`). The answer is a
-  ``RegisterAck`` from the version the schema introduced it in, a ``TransferStatus`` for the
-  reserved room 0 before that (older peers cannot decode the newer type) and whenever no
-  version is agreed.
-* ``TransferRequest``: checked as a whole (registered peer, dummy flag as routing says, prefix a
-  multiple of the page size, one state list per component, no destination page twice) and
-  turned into a :class:`~.prefill_room.Target` carrying its destination indices; a bad one is
-  answered Failed (validation) at once.
-* ``Abort``: passed on for the room. Anything else is a :class:`~.events.Problem`.
+The edge hands each decoded message to :meth:`PrefillConnection.receive` and gets back
+:mod:`.events`. Every Hello is answered with ours, refused or not, so the peer can name the
+cause. A registration is answered with a ``RegisterAck`` from the version that introduced it,
+and with a ``TransferStatus`` for the reserved room 0 before that and whenever no version is
+agreed (older peers cannot decode the newer type). A bad ``TransferRequest`` is answered Failed
+(validation) at once.
 
 Before a registered peer's message is decoded the edge asks :meth:`PrefillConnection.oversized`:
 a message larger than the largest legal one for the peer's registered pools
-(:mod:`.message_bounds`, from the registration and the schema) is refused undecoded, and the
-edge drops that peer.
-
-The builders (:meth:`status`, :meth:`abort_ack`, :meth:`notification`) turn the session's
-actions into messages in the form the agreed version needs (typed failure kinds from their
-``since``, a ``"<kind>: "`` reason prefix before).
+(:mod:`.message_bounds`) is refused undecoded, and the edge drops that peer.
 """
 
 from __future__ import annotations
