@@ -1,23 +1,13 @@
-"""The largest legal message a registered decode peer may send, from its registration.
+"""The largest legal message a registered decode peer may send, from its registration (why a
+second bound beside ``ZMQ_MAXMSGSIZE``: docs/hostile-peers.md).
 
-The prefill ROUTER's ``ZMQ_MAXMSGSIZE`` is one bound for every peer (libzmq applies it before
-anything says who sent a frame). Once a decode rank registered, its pools are known, and so is
-the largest ``TransferRequest`` it can legally send: every destination index of a request is
-distinct and inside its pool (``PeerPlan.check_request``), so a KV list is at most the pool's
-page count and a state list at most its component's item count (a slot component: one index).
-A larger request is refused before it is decoded (:meth:`MessageLimits.excess`), and the peer
-with it.
-
-The size is not typed in: it is what the generated encoder writes for the largest legal request
-at the agreed version (:func:`request_limit`): every integer at the widest value of its schema
-type, every index list at its longest, the ``sender`` as long as the endpoint the peer
-registered (or :data:`SENDER_ALLOWANCE`). Long lists are encoded at :data:`PROBE_ITEMS` items
-(already a side frame of their own) and grown by their item size, so a registration naming a
-huge pool costs no memory here. Another conforming writer may frame the same values less
-tightly (msgpack allows a wider header for any value), so each msgpack object of the body is
-allowed the difference between its widest and narrowest header (:data:`HEADER_SLACK`).
-
-Pure: registration values in, a limit out; the header peek reads the 12-byte first frame only.
+Every destination index of a request is distinct and inside its pool, so a KV list is at most
+the pool's page count and a state list its component's item count. The size is not typed in:
+it is what the generated encoder writes for the largest legal request at the agreed version
+(:func:`request_limit`), long lists probed at :data:`PROBE_ITEMS` items and grown by their item
+size (a huge pool costs no memory here), each msgpack object allowed :data:`HEADER_SLACK`
+(another conforming writer may frame the same values less tightly). Pure; the header peek
+reads the 12-byte first frame only.
 """
 
 from __future__ import annotations

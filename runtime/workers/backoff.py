@@ -1,16 +1,10 @@
-"""Waiting on transfer engines that offer nothing to wait on.
+"""Waiting on transfer engines that offer nothing to wait on (NIXL's Python API, the worker-thread
+backends' jobs); engines with ``Backend.wakeup_fds`` are waited on in the ZMQ poller instead.
 
-(Engines that do offer something, ``Backend.wakeup_fds``, are waited on in the worker's ZMQ
-poller instead: see :mod:`pdwire.runtime.backends.wakeup`. NIXL's Python API has no file
-descriptor, blocking wait or callback for completions or notifications, so NIXL uses this.)
-
-NIXL completions and notifications (and the worker-thread backends' jobs) have no file
-descriptor a ZMQ poller could watch, so a worker with transfers in flight must look again
-after a while. A fixed 1 ms poll made every small request pay about a millisecond per hop;
-this waits 20 us first and doubles while nothing happens, up to the 1 ms it used to wait, and
-starts short again whenever something happened (longer with many transfers in flight). Waits
-of a millisecond or more go through the ZMQ poller (a control message still wakes it at once);
-shorter ones sleep and then poll without blocking.
+A fixed 1 ms poll made every small request pay about a millisecond per hop; this waits 20 us
+first and doubles while nothing happens, up to 1 ms, and starts short again whenever something
+happened (longer with many transfers in flight). Waits of a millisecond or more go through the
+ZMQ poller (a control message still wakes it at once); shorter ones sleep, then poll.
 """
 
 from __future__ import annotations

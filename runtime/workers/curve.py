@@ -1,17 +1,10 @@
-"""CURVE on the workers' control sockets: which keys a worker uses, the ZAP handler that admits
-clients, and the socket events that say why a handshake was refused.
+"""CURVE on the workers' control sockets: which keys a worker uses (:func:`resolve`), the ZAP
+handler that admits clients, and the socket events that say why a handshake was refused.
 
 The connection machines never see any of this: an unauthenticated or unknown peer is refused by
-libzmq during the ZMTP handshake, before a single frame of it reaches a worker.
-
-* :func:`resolve` turns a worker config into the keys to use (its ``control_auth``, else the key
-  directory of ``PDWIRE_CONTROL_KEYS``), or None for an explicitly unauthenticated control plane
-  (``insecure_control``, ``PDWIRE_INSECURE_CONTROL=1``); with neither it refuses to start.
-* :class:`ZapHandler` is one ZAP authenticator thread per ZMQ context (ZAP is per context),
-  shared by every worker socket of it: each server socket has its own ZAP domain and key set.
-* :func:`serve_curve` / :func:`connect_curve` set the socket options.
-* :func:`refusal_text` names a ``HANDSHAKE_FAILED_*`` monitor event, :func:`report_refusal`
-  records and logs it.
+libzmq during the ZMTP handshake, before a single frame of it reaches a worker. ZAP is per ZMQ
+context, so one :class:`ZapHandler` thread serves every worker socket of a context, each server
+socket with its own ZAP domain and key set.
 """
 
 from __future__ import annotations

@@ -589,9 +589,6 @@ class PrefillWorker(RankEdge):
     def _not_posted(self, a: PostTransfer, failure: Failure) -> None:
         self._run(self.session.on_not_posted(a.xfer_id, failure))
 
-    def _post(self, a: PostTransfer) -> None:
-        self._post_group([a])
-
     def _post_group(self, posts: list[PostTransfer]) -> None:
         """Plan and post parts of one room for one peer (:func:`.merging.group_posts`): to a peer
         reading multi-part notifications (1.4), each run of them goes as one engine write."""

@@ -1,16 +1,11 @@
-"""A decode rank's receive staging: the buffer, the reservations per room and the scatter copies.
+"""A decode rank's receive staging: the buffer, the reservations per room and the scatter copies
+(the edge of :mod:`pdwire.runtime.staging.receive`; docs/request-efficiency.md).
 
-The edge of :mod:`pdwire.runtime.staging.receive`. The buffer (``DecodeConfig.scatter_bytes``)
-is allocated through the rank's backend and registered after the planner's regions, so every
-prefill rank gets its own revocable window onto it like onto the KV pages, and the fence covers
-it. Per room and prefill rank the rank reserves a range when it sends the TransferRequest
-(the room's first pages, as many as fit now: ``TransferRequest.scatter_*``); a prefill rank may
-write KV chunks of those pages there and name them in its notification; the rank copies them
-into place (:meth:`ScatterReceiver.scatter`) before it counts the parts. A room's ranges are
-freed with its slots: at Success at once, after a failure only once its fence completed,
-because a late write into a reused range would corrupt another room's copy source.
-
-Host memory only (``HostCopier``); a device copier plugs in as ``copier``.
+The buffer is registered after the planner's regions, so every prefill rank gets its own
+revocable window onto it and the fence covers it. A room's ranges are freed with its slots: at
+Success at once, after a failure only once its fence completed, because a late write into a
+reused range would corrupt another room's copy source. Host memory only (``HostCopier``); a
+device copier plugs in as ``copier``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""A prefill rank's staging: the arena buffer, the host copies and the decision per part.
+"""A prefill rank's staging: the arena buffer, the host copies and the decision per part (the
+edge that owns memory around :mod:`pdwire.runtime.staging`; docs/request-efficiency.md).
 
-The pure pieces live in :mod:`pdwire.runtime.staging`; this is the edge that owns memory. The
-staging buffer (``PrefillConfig.staging_bytes``) is allocated through the rank's backend and
-registered after the planner's regions the first time a part is staged, so a rank whose parts
-never stage holds nothing. Per part: the cost model picks direct or gather; a gathered part
-takes a range of the arena, its rows are copied into it in destination order, and the engine
-posts the staging -> destination write (one row per destination run). The range is freed when
-the engine reports that write final (DONE, or FAILED once confirmed stopped): the fence of the
-room covers the staging bytes too. A part that does not fit the arena now waits until a range
-frees; one that never could goes direct.
-
-A gather needs nothing of the decode rank, at any protocol version. Decode-side scatter (NHD
-from a larger prefill TP: whole source rows, strided destinations) needs a decode rank that
-agreed on 1.4 and reserved a range of its receive staging buffer for the room
-(:meth:`Stager.scatter`): the KV rows are then written there in the decode rank's destination
-order, few and large, and the decode rank copies them into place
-(:mod:`pdwire.runtime.workers.scatter`).
+The buffer is allocated through the rank's backend and registered after the planner's regions
+the first time a part is staged, so a rank whose parts never stage holds nothing. A range is
+freed only when the engine reports its write final (DONE, or FAILED once confirmed stopped):
+the room's fence covers the staging bytes too. A part that does not fit now waits for a range;
+one that never could goes direct. Decode-side scatter (:meth:`Stager.scatter`) needs a decode
+rank at 1.4 that reserved a range of its receive staging buffer for the room.
 """
 
 from __future__ import annotations
