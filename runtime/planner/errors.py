@@ -23,16 +23,7 @@ class PlanError(ValueError):
         self.tensor = tensor
         self.layer = layer
         self.index = index
-        where = ", ".join(
-            f"{key}={value}"
-            for key, value in (
-                ("component", component),
-                ("tensor", tensor),
-                ("layer", layer),
-                ("index", index),
-            )
-            if value is not None
-        )
+        where = ", ".join(f"{key}={value}" for key, value in vars(self).items() if value is not None)
         super().__init__(f"{message} [{where}]" if where else message)
 
 
