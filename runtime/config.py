@@ -208,12 +208,9 @@ class WorkerConfig:
 class PrefillConfig(WorkerConfig):
     """A prefill rank: its ROUTER binds ``bind`` (``tcp://HOST:PORT``, port 0 = any free port) and
     decode ranks are told ``advertise`` (default: the bound address; a wildcard bind needs one;
-    ``tcp://HOST`` without a port takes the bound port).
-
-    ``staging_bytes``: the bounded staging buffer of this rank (allocated through its backend the
-    first time a part is staged; 0 turns staging off). Parts of many small descriptors are
-    gathered into it and written in few large ones when the cost model says it pays
-    (``pdwire.runtime.staging``)."""
+    ``tcp://HOST`` without a port takes the bound port). ``staging_bytes``: the bounded staging
+    buffer where parts of many small descriptors are gathered and written in few large ones
+    (0 turns staging off; ``pdwire.runtime.staging``)."""
 
     bind: str = "tcp://127.0.0.1:0"
     advertise: str | None = None
@@ -249,13 +246,8 @@ class DecodeConfig(WorkerConfig):
     ``fence_timeout_s``: how long past the room's deadline a failed room's slots wait for a silent
     prefill rank before it is revoked (default twice the room timeout); ``peer_timeout_s``: a
     prefill rank whose control connection answers no heartbeat for that long is lost (its rooms
-    fail at once and it is revoked; the rank reconnects in the background).
-
-    ``scatter_bytes``: the receive staging buffer (allocated and registered at start; 0 turns
-    decode-side scatter off). A room reserves a range of it per prefill rank for its first pages;
-    prefill ranks that agreed on 1.4 may write those pages' KV there in few large rows, and this
-    rank copies them into place (NHD from a larger prefill TP: one engine row per token and
-    layer otherwise)."""
+    fail at once and it is revoked; the rank reconnects in the background). ``scatter_bytes``:
+    the receive staging buffer (0 turns decode-side scatter off; docs/engine-api.md)."""
 
     advertise: str | None = None
     handshake_timeout_s: float = 30.0

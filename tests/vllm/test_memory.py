@@ -85,7 +85,7 @@ def build_rank(
         groups.append(
             MambaGroup(("model.layers.0.mixer",), shapes, (conv_bytes, ssm_bytes), (X, BC, BC), False)
         )
-    groups.append(AttentionGroup(tuple(names), N, hl, C, F32, head_major=True, total_kv_heads=H))
+    groups.append(AttentionGroup(tuple(names), N, hl, C, F32, total_kv_heads=H))
     d = describe(
         groups,
         tensors,
@@ -238,10 +238,10 @@ def test_describes_aliased_groups_and_the_ssm_state_at_an_offset_inside_the_page
 
 
 def test_refuses_two_attention_groups_and_layouts_that_split_a_block() -> None:
-    g = AttentionGroup(("a",), N, H, C, F32, True)
+    g = AttentionGroup(("a",), N, H, C, F32)
     t = {"a": attn_tensor("a", 1 << 40, H), "b": attn_tensor("b", 1 << 41, H)}
     with pytest.raises(LayoutError, match="both full attention"):
-        two = [g, AttentionGroup(("b",), N, H, C, F32, True)]
+        two = [g, AttentionGroup(("b",), N, H, C, F32)]
         describe(two, t, BLOCKS, tp_size=1, tp_rank=0, layer_ids={"a": 0, "b": 1})
     head_outer = LayerTensor(
         "a", 1 << 40, (N * 2 * C * F32, BLOCKS * N * 2 * C * F32, 2 * C * F32, F32), (BLOCKS, H, N, 2 * C)

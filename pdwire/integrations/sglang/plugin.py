@@ -1,30 +1,14 @@
 """SGLang's plugin entry point: makes ``--disaggregation-transfer-backend pdwire`` a backend.
 
-SGLang 0.5.23 has no transfer-backend registry: ``TransferBackend`` is a closed enum and
-``get_kv_class`` an if-chain (``sglang.srt.disaggregation.utils``). It does have a general
-plugin mechanism: every function registered under the entry-point group
-``sglang.srt.plugins`` (pdwire's ``pyproject.toml`` registers :func:`register` as ``pdwire``;
-``SGLANG_PLUGINS`` filters by that name) runs in every SGLang process (server, scheduler,
-detokenizer, engine) before the server arguments are parsed, and SGLang then applies the
-hooks the plugins registered in its ``HookRegistry``, rewriting the ``from X import Y``
-bindings of modules that already imported the original.
-
-:func:`register` does three things, each idempotent:
-
-1. adds the member ``TransferBackend.PDWIRE = "pdwire"`` to the enum in place, so
-   ``TransferBackend("pdwire")`` resolves and every existing member keeps its identity (the
-   schedulers compare members with ``==``);
-2. adds ``"pdwire"`` to the CLI choices (``add_disagg_transfer_backend_choices``);
-3. registers an AROUND hook on ``get_kv_class`` that answers pdwire's manager, sender, receiver
-   and bootstrap server for ``TransferBackend.PDWIRE`` and defers to SGLang for every other
-   backend (``KVArgs`` stays SGLang's for all of them);
-4. registers AROUND hooks on the prefill and decode queues' ``_init_kv_manager`` that hand a
-   pdwire manager what SGLang's ``KVArgs`` leave out: the decode's KV head counts, and the
-   layers of pools that do not report them (an ``SWAKVPool``'s KV start layer and SWA layer
-   ids, the request pool's Mamba layer ids), which a PP stage needs
-   (:class:`~pdwire.integrations.sglang.memory.PoolLayers`).
-
-The classes themselves are imported only when SGLang asks for them.
+SGLang 0.5.23 has no transfer-backend registry (``TransferBackend`` is a closed enum,
+``get_kv_class`` an if-chain), but it runs every function of the entry-point group
+``sglang.srt.plugins`` in each of its processes before it parses the server arguments, and
+then applies the hooks they registered in its ``HookRegistry`` (rewriting the ``from X import
+Y`` bindings of modules that already imported the original). :func:`register` (idempotent)
+adds ``TransferBackend.PDWIRE`` to the enum in place, adds ``pdwire`` to the CLI choices,
+hooks ``get_kv_class`` to answer pdwire's classes for it, and hooks the queues'
+``_init_kv_manager`` to hand a pdwire manager what ``KVArgs`` leave out (docs/sglang.md,
+installing the plugin). The classes themselves are imported only when SGLang asks for them.
 """
 
 from __future__ import annotations
@@ -88,15 +72,11 @@ def get_kv_class_hook(original: Callable[..., Any], transfer_backend: Any, class
 
 
 def pool_layers(pool: Any, req_pool: Any, model_config: Any) -> Any:
-    """The layers SGLang's pools know and its ``KVArgs`` leave out (``PoolLayers``).
-
-    * An ``SWAKVPool`` (and its unified subclasses) maps each of its global layer ids to
-      (sub-pool index, is SWA) in ``layers_mapping``: the SWA sub-pool's layer ids, and the
-      full-attention-relative index of its first full layer (from the model-wide
-      ``model_config.full_attention_layer_ids``) in place of its ``start_layer``, which is 0 on
-      every PP stage. ``kv_start_missing`` when the model's full-attention layers are unknown.
-    * Mamba state in the request pool (``HybridReqToTokenPool``): the Mamba pool's
-      ``get_state_layer_ids()``, which SGLang passes on only for a ``HybridLinearKVPool``."""
+    """The layers SGLang's pools know and its ``KVArgs`` leave out (``PoolLayers``): an
+    ``SWAKVPool``'s ``layers_mapping`` (global layer id -> (sub-pool index, is SWA)) gives the
+    SWA layer ids and, with the model's ``full_attention_layer_ids``, the full-attention-relative
+    start in place of its ``start_layer`` (0 on every PP stage); the request pool's Mamba pool
+    gives ``get_state_layer_ids()``, which SGLang passes on only for a ``HybridLinearKVPool``."""
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     from pdwire.integrations.sglang.memory import PoolLayers

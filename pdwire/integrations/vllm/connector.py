@@ -1,32 +1,14 @@
 """``PdwireConnector``: vLLM's KV connector API over pdwire's engine-facing runtime.
 
 Push mode, like ``NixlPushConnector``: the prefill engine writes a finished prompt's KV pages
-and Mamba state straight into the blocks the decode engine allocated for it.
-
-Flow (the proxy in front sends each prompt to prefill, then to decode; see docs/vllm.md):
-
-1. Prefill scheduler: ``request_finished_all_groups`` of a ``do_remote_decode`` request keeps its
-   blocks, names its *room* (:func:`pdwire.runtime.engine.room_for_request` of the prefill
-   engine id and request id) and returns :class:`~.params.PrefillHandle` parameters: the room,
-   every prefill rank's control endpoint, the token count. Each prefill worker hands its
-   ``PrefillWorker`` the request's pages and state slots (``send_chunk``); pdwire holds them
-   until decode asks.
-2. Decode scheduler: a request with those parameters loads ``num_tokens`` tokens asynchronously
-   (``get_num_new_matched_tokens``); once its blocks are allocated, each decode worker connects
-   to the prefill ranks pdwire's routing names (Hello: version agreement, model fingerprint, TP
-   sizes; once per prefill engine) and starts the room with its block ids
-   (``DecodeWorker.start_room``). The prefill ranks plan (pdwire's planner: aliased groups,
-   state at offsets inside a page, head slices for another TP size) and write (docs/vllm.md).
-3. Decode reports the request received when its room succeeded; a failed room is reported (as a
-   failed receive (in ``finished_recving`` and ``failed_recving`` of one pass, never as block
-   ids: vLLM cannot map block ids of several KV cache groups back), which vLLM's ``kv_load_failure_policy``
-   handles) only once pdwire says its slots are fenced: no write of the room is in flight.
-   Prefill frees the blocks when its room ended (success, failure, or the room timeout when no
-   decode ever asks).
-
-Hybrid models (Mamba + attention) need ``SupportsHMA``: both groups' blocks travel, the Mamba
-one as a slot. As with vLLM's own connectors, prefill then computes all but the last prompt
-token and decode computes that token from the transferred state.
+and Mamba state straight into the blocks the decode engine allocated for it. Prefill keeps a
+finished request's blocks, names its room (:func:`pdwire.runtime.engine.room_for_request`)
+and returns :class:`~.params.PrefillHandle` parameters, which the proxy copies into the decode
+request; decode connects to the prefill ranks and starts the room with its blocks. A failed
+room is reported as a failed receive only once pdwire says its slots are fenced (no write of
+the room is in flight). Hybrid models (Mamba + attention) need ``SupportsHMA``; as with vLLM's
+own connectors, prefill then computes all but the last prompt token. docs/vllm.md tells the
+flow call by call.
 
 Every call vLLM makes runs on vLLM's threads; pdwire's worker runs on its own thread
 (``WorkerThread``) and its callbacks hand results back under a lock.
@@ -102,7 +84,7 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
 
 
 def model_fingerprint(
-    vllm_config: VllmConfig, described: Described | None, extra: Mapping[str, Any]
+    vllm_config: VllmConfig, described: Described, extra: Mapping[str, Any]
 ) -> pd.ModelFingerprint:
     """The served model's identity, compared at pdwire's Hello. It names the model, its revision
     (or a hash of its config, without the transformers version, so an engine upgrade does not
@@ -118,11 +100,9 @@ def model_fingerprint(
         revision = "config-sha256:" + hashlib.sha256(blob).hexdigest()[:16]
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
-    kv_layers = state_layers = 0
-    if described is not None:
-        kv = described.memory.kv
-        kv_layers = 0 if kv is None else kv.num_layers
-        state_layers = sum(c.num_layers for c in described.memory.state)
+    kv = described.memory.kv
+    kv_layers = 0 if kv is None else kv.num_layers
+    state_layers = sum(c.num_layers for c in described.memory.state)
     return pd.ModelFingerprint(
         model_name=name,
         revision=str(revision),
@@ -211,13 +191,13 @@ class _Groups:
 
 
 class _Scheduler:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine_id: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, groups: _Groups, engine_id: str) -> None:
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.vllm_config = vllm_config
         self.engine_id = engine_id
         self.is_producer = bool(kv.is_kv_producer)
-        self.groups = _Groups(vllm_config, kv_cache_config)
+        self.groups = groups
         self.has_state = bool(self.groups.state)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
@@ -658,13 +638,23 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 f"{groups.unsupported} of this model are of another kind"
             )
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(vllm_config, kv_cache_config, engine_id)
+            self._scheduler = _Scheduler(vllm_config, groups, engine_id)
         else:
             self._worker = _Worker(vllm_config, kv_cache_config, engine_id)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return False
+
+    @property
+    def _sched(self) -> _Scheduler:
+        assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
+        return self._scheduler
+
+    @property
+    def _work(self) -> _Worker:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
 
     # -------- scheduler side
 
@@ -674,36 +664,29 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_meta()
+        return self._sched.build_meta()
 
     def on_new_request(self, request: Request) -> None:
-        assert self._scheduler is not None
-        self._scheduler.on_new_request(request)
+        self._sched.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, (block_ids,))
+        return self._sched.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        return self._sched.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
@@ -711,14 +694,12 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.set_handshake_metadata(metadata)
+        self._sched.set_handshake_metadata(metadata)
 
     # -------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        self._work.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.endpoint is None:
@@ -726,10 +707,9 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return PdwireHandshakeMetadata(self._worker.endpoint)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdwireConnectorMetadata)
-        self._worker.start(meta)
+        self._work.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads happen between steps (push): nothing to wait for inside a forward
@@ -747,8 +727,7 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return r.finished_sending, r.finished_recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        assert self._worker is not None
-        return self._worker.results()
+        return self._work.results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # failures are whole requests (failed_recving); vLLM refuses block ids with several groups

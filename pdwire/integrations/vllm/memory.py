@@ -1,24 +1,12 @@
 """vLLM's KV cache tensors as pdwire's memory description (``RankMemory``).
 
-What vLLM 0.32 lays out (``register_kv_caches``; see docs/vllm.md):
-
-* a **full-attention group**: per layer one view ``[blocks, heads, block_size, 2 * head_size]``;
-  the CPU backend keeps each head's K page and then its V page in that head's row. With a wire
-  that carries a head stride (pdwire 1.4) that is a head-major ``KvPool`` with K and V on the same
-  bases, V at one head's page, ``head_stride`` = two heads' pages: sliceable by head, so prefill
-  and decode may run different TP sizes. Before that each block is one opaque item (MLA-style):
-  copied whole, between equal TP sizes only.
-* a **Mamba group**: per layer one raw byte tensor ``[blocks, ..., page]`` holding the conv state
-  and then the SSM state of one block, padded to the attention page. That is a slot-indexed
-  ``StatePool`` of two tensors on the same bases, the SSM one at an offset, both with
-  ``slot_stride`` = the block stride (with a wire that carries strides; else the whole page).
-* with the hybrid allocator the groups **alias**: the Mamba layer and the attention layer of one
-  block row are the same memory (one registration; pdwire's planner registers overlapping
-  extents once and refuses a request whose destinations overlap).
-
-The Mamba TP sharding is read off the local shapes (Mamba2's conv channels as x | B | C
-sub-blocks, stored ``[kernel - 1, channels]`` or transposed; the SSM state by heads); where the
-shapes cannot say (fewer groups than TP ranks, other Mamba kinds) it is left unknown.
+What vLLM 0.32 lays out (``register_kv_caches``) and how pdwire describes it is the table in
+docs/vllm.md: a full-attention group as a head-major ``KvPool`` with K and V on the same bases
+(sliceable by head, so prefill and decode may run different TP sizes), a Mamba group as a
+slot-indexed ``StatePool`` of its conv and SSM tensors at their offsets inside a padded page,
+and with the hybrid allocator the groups alias (one registration; pdwire's planner registers
+overlapping extents once and refuses a request whose destinations overlap). The Mamba TP
+sharding is read off the local shapes; where they cannot say it is left unknown.
 
 :func:`describe` is pure over :class:`LayerTensor` facts so it is testable without vLLM;
 :func:`describe_vllm` reads them from vLLM's config and tensors.
@@ -27,8 +15,8 @@ shapes cannot say (fewer groups than TP ranks, other Mamba kinds) it is left unk
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pdwire.runtime.engine as pd
@@ -60,7 +48,6 @@ class AttentionGroup:
     num_kv_heads: int
     head_size: int
     dtype_bytes: int
-    head_major: bool  # LBHNC (HND inside a page) vs LBNHC (NHD)
     total_kv_heads: int | None = None  # the model's KV heads; None: num_kv_heads x TP
 
 
@@ -87,9 +74,6 @@ class Described:
     memory: pd.RankMemory
     kv_group: int | None  # index of the attention group among the transfer groups
     state_groups: tuple[int, ...]  # per state component, the index of its group
-    block_size: int  # tokens per KV page
-    layers: Mapping[str, int] = field(default_factory=dict)  # layer name -> global layer id
-    strided: bool = True  # items described with strides and offsets (else whole strides)
     tp_sliceable: bool = False  # can a peer of another TP size take a slice of these items
 
 
@@ -117,7 +101,6 @@ def describe(
     kv: pd.KvPool | None = None
     state: list[pd.StatePool] = []
     state_groups: list[int] = []
-    block_size = 0
     for gi, g in enumerate(groups):
         if g is None:
             raise LayoutError(f"KV cache group {gi} is of a kind pdwire's vLLM connector does not transfer")
@@ -129,7 +112,7 @@ def describe(
                 )
             by_head = strided and head_strided
             kv = _kv_pool(g, tensors, num_blocks, strided, by_head, tp_size)
-            kv_group, block_size = gi, g.block_size
+            kv_group = gi
         else:
             state.append(_mamba(g, tensors, num_blocks, tp_size, layer_ids, strided))
             state_groups.append(gi)
@@ -140,12 +123,32 @@ def describe(
         kv=kv,
         state=tuple(state),
     )
-    sliceable = kv is not None and not kv.is_mla
-    return Described(memory, kv_group, tuple(state_groups), block_size, dict(layer_ids), strided, sliceable)
+    return Described(memory, kv_group, tuple(state_groups), not kv.is_mla)
 
 
-def _kind(t: LayerTensor) -> tuple[pd.MemoryKind, int]:
-    return (pd.MemoryKind.DRAM, 0) if t.device == "cpu" else (pd.MemoryKind.VRAM, t.device_id)
+def _layers(
+    what: str,
+    g_layers: Sequence[str],
+    tensors: Mapping[str, LayerTensor],
+    check: Callable[[str, LayerTensor], None],
+) -> tuple[list[int], int, pd.MemoryKind, int]:
+    """(base addresses, block stride, memory kind, device id) of a group's layers, each passed
+    through ``check``; one stride and one device for the whole group."""
+    stride: int | None = None
+    kinds = set()
+    for name in g_layers:
+        t = tensors[name]
+        check(name, t)
+        s = t.strides_bytes[0]
+        if stride is not None and s != stride:
+            raise LayoutError(f"{what} layer {name}: block stride {s} differs from the group's {stride}")
+        stride = s
+        kinds.add((pd.MemoryKind.DRAM, 0) if t.device == "cpu" else (pd.MemoryKind.VRAM, t.device_id))
+    if len(kinds) != 1:
+        raise LayoutError(f"{what} layers live on different devices: {sorted(kinds)}")
+    assert stride is not None
+    kind, device_id = kinds.pop()
+    return [tensors[name].data_ptr for name in g_layers], stride, kind, device_id
 
 
 def _kv_pool(
@@ -165,34 +168,22 @@ def _kv_pool(
     by head for any TP pair (:attr:`Described.tp_sliceable`). Otherwise (a wire without a head
     stride) one opaque item per block, copied whole: exact between equal TP sizes only."""
     item = g.num_kv_heads * g.block_size * 2 * g.head_size * g.dtype_bytes  # one block of one layer
-    bases: list[int] = []
-    stride = None
-    kinds = set()
-    for name in g.layers:
-        t = tensors[name]
-        want = (num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+    want = (num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+    es = g.dtype_bytes
+    inner = (g.block_size * 2 * g.head_size * es, 2 * g.head_size * es, es)
+
+    def check(name: str, t: LayerTensor) -> None:
         if t.shape != want:
             raise LayoutError(
                 f"attention layer {name}: shape {t.shape}, expected [blocks, heads, block, 2 x head] {want}"
             )
-        es = g.dtype_bytes
-        inner = (g.block_size * 2 * g.head_size * es, 2 * g.head_size * es, es)
         if t.strides_bytes[1:] != inner or t.strides_bytes[0] < item:
             raise LayoutError(
                 f"attention layer {name}: strides {t.strides_bytes} do not keep a block's heads, tokens and "
                 f"K|V together (a block-compact layout such as LBHNC is needed)"
             )
-        s = t.strides_bytes[0]
-        if stride is None:
-            stride = s
-        elif s != stride:
-            raise LayoutError(f"attention layer {name}: block stride {s} differs from the group's {stride}")
-        bases.append(t.data_ptr)
-        kinds.add(_kind(t))
-    if len(kinds) != 1:
-        raise LayoutError(f"attention layers live on different devices: {sorted(kinds)}")
-    (kind, device_id) = kinds.pop()
-    assert stride is not None
+
+    bases, stride, kind, device_id = _layers("attention", g.layers, tensors, check)
     if by_head:
         span = g.block_size * g.head_size * g.dtype_bytes  # one head's K (or V) page
         total = g.total_kv_heads if g.total_kv_heads is not None else g.num_kv_heads * tp_size
@@ -240,40 +231,17 @@ def _mamba(
     strided: bool,
 ) -> pd.StatePool:
     used = sum(g.state_bytes)
-    bases: list[int] = []
-    lens: list[int] = []
-    stride = None
-    kinds = set()
-    for name in g.layers:
-        t = tensors[name]
+
+    def check(name: str, t: LayerTensor) -> None:
         if t.shape[0] != num_blocks:
             raise LayoutError(f"Mamba layer {name}: shape {t.shape} does not start with {num_blocks} blocks")
-        s = t.strides_bytes[0]
-        if s < used:
-            raise LayoutError(f"Mamba layer {name}: a block of {s} B cannot hold its {used} B of state")
-        if stride is None:
-            stride = s
-        elif s != stride:
-            raise LayoutError(f"Mamba layer {name}: block stride {s} differs from the group's {stride}")
-        bases.append(t.data_ptr)
-        lens.append((num_blocks - 1) * s + used)
-        kinds.add(_kind(t))
-    if len(kinds) != 1:
-        raise LayoutError(f"Mamba layers live on different devices: {sorted(kinds)}")
-    (kind, device_id) = kinds.pop()
-    if not strided:
-        assert stride is not None
-        page = pd.StateTensor(
-            "page", tuple(bases), tuple(num_blocks * stride for _ in bases), bytes_per_slot=stride
-        )
-        return pd.StatePool(
-            kind=pd.StateKind.MAMBA,
-            indexing=pd.Indexing.SLOT,
-            tensors=(page,),
-            layer_ids=tuple(layer_ids[name] for name in g.layers),
-            memory_kind=kind,
-            device_id=device_id,
-        )
+        if t.strides_bytes[0] < used:
+            raise LayoutError(
+                f"Mamba layer {name}: a block of {t.strides_bytes[0]} B cannot hold its {used} B of state"
+            )
+
+    bases, stride, kind, device_id = _layers("Mamba", g.layers, tensors, check)
+    lens = tuple((num_blocks - 1) * stride + used for _ in bases)
     tensors_out: list[pd.StateTensor] = []
     offset = 0
     names = ("conv", "ssm") if len(g.shapes) == 2 else tuple(f"state{i}" for i in range(len(g.shapes)))
@@ -294,7 +262,7 @@ def _mamba(
             pd.StateTensor(
                 name=names[i],
                 base_addrs=tuple(bases),
-                region_lens=tuple(lens),
+                region_lens=lens,
                 bytes_per_slot=nbytes,
                 sharded_axis_size=axis_size,
                 sub_block_sizes=sub_blocks,
@@ -304,6 +272,9 @@ def _mamba(
             )
         )
         offset += nbytes
+    if not strided:  # a wire without item strides: the whole page
+        whole = tuple(num_blocks * stride for _ in bases)
+        tensors_out = [pd.StateTensor("page", tuple(bases), whole, bytes_per_slot=stride)]
     return pd.StatePool(
         kind=pd.StateKind.MAMBA,
         indexing=pd.Indexing.SLOT,
@@ -333,10 +304,9 @@ def layer_tensor(name: str, t: Any) -> LayerTensor:
 def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
     """vLLM's transfer groups as :data:`Group` values (None for kinds not transferred)."""
     import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    layout = str(kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout or "LBHNC")
-    head_major = layout.index("H") < layout.index("N")
     out: list[Group | None] = []
     for g in kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
@@ -352,7 +322,6 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
                     spec.num_kv_heads,
                     spec.head_size,
                     torch.empty((), dtype=spec.dtype).element_size(),
-                    head_major,
                     int(vllm_config.model_config.get_total_num_kv_heads()),
                 )
             )
@@ -367,18 +336,12 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
                     tuple(tuple(int(x) for x in s) for s in spec.shapes),
                     state_bytes,
                     _mamba2_conv_split(vllm_config, spec),
-                    _conv_dim_first(),
+                    bool(is_conv_state_dim_first()),
                 )
             )
         else:
             out.append(None)
     return out
-
-
-def _conv_dim_first() -> bool:
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    return bool(is_conv_state_dim_first())
 
 
 def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
@@ -388,15 +351,13 @@ def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
     if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2 or len(spec.shapes) != 2:
         return None
     hf = vllm_config.model_config.hf_text_config
-    groups = next((getattr(hf, a) for a in ("mamba_n_groups", "n_groups") if getattr(hf, a, None)), None)
-    heads = next(
-        (getattr(hf, a) for a in ("mamba_n_heads", "mamba_num_heads", "n_heads") if getattr(hf, a, None)),
-        None,
-    )
-    d_state = next(
-        (getattr(hf, a) for a in ("mamba_d_state", "ssm_state_size", "state_size") if getattr(hf, a, None)),
-        None,
-    )
+
+    def first(*names: str) -> Any:  # the HF configs of Mamba2 models spell these differently
+        return next((getattr(hf, a) for a in names if getattr(hf, a, None)), None)
+
+    groups = first("mamba_n_groups", "n_groups")
+    heads = first("mamba_n_heads", "mamba_num_heads", "n_heads")
+    d_state = first("mamba_d_state", "ssm_state_size", "state_size")
     tp = vllm_config.parallel_config.tensor_parallel_size
     ssm_heads_local, head_dim = spec.shapes[1][0], spec.shapes[1][1]
     if groups is None or heads is None or d_state is None or groups % tp or heads % tp:
@@ -422,23 +383,7 @@ def describe_vllm(
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         tp_rank=tp_rank,
         layer_ids=order,
-        strided=wire_carries_strides(),
-        head_strided=wire_carries_head_stride(),
     )
-
-
-def wire_carries_head_stride() -> bool:
-    """Whether this pdwire build's registration carries a KV head stride (from 1.4)."""
-    from pdwire import wire
-
-    return "kv_head_stride" in getattr(wire.RegisterInfo, "__struct_fields__", ())
-
-
-def wire_carries_strides() -> bool:
-    """Whether this pdwire build's registration carries item strides and offsets (from 1.4)."""
-    from pdwire import wire
-
-    return "kv_page_stride" in getattr(wire.RegisterInfo, "__struct_fields__", ())
 
 
 def _model_layer_order(kv_caches: Mapping[str, Any]) -> list[str]:

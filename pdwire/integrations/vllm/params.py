@@ -1,20 +1,9 @@
 """The ``kv_transfer_params`` a prefill engine returns and the proxy copies into the decode request.
 
-The proxy treats them as opaque JSON: it sends the prompt to the prefill engine with
-``{"do_remote_decode": true}``, and the same prompt to the decode engine with whatever came back.
-Keys (all JSON values)::
-
-    do_remote_prefill  true          (what the decode side keys on, as for NixlConnector)
-    do_remote_decode   false
-    pdwire_room        int           the room both sides use (from the prefill engine and request ids)
-    pdwire_engine_id   str           the prefill engine
-    pdwire_endpoints   [str, ...]    its ranks' control endpoints, PP stage major (tcp://host:port)
-    pdwire_pp_size     int           its PP stages
-    pdwire_num_tokens  int           prompt tokens whose KV (and state) prefill holds
-    pdwire_block_size  int           its tokens per KV page
-
-Decode checks them (:func:`parse`) before it allocates anything for them; a bad value is one
-:class:`TransferParamsError` naming the key, and the request is computed locally instead.
+The proxy treats them as opaque JSON (the keys are :meth:`PrefillHandle.to_params`'s, the
+table in docs/vllm.md). Decode checks them (:func:`parse`) before it allocates anything for
+them; a bad value is one :class:`TransferParamsError` naming the key, and the request is
+computed locally instead.
 """
 
 from __future__ import annotations

@@ -55,15 +55,11 @@ def decode_body(
     return out
 
 
-class RoundRobin:
-    def __init__(self, urls: Sequence[str]) -> None:
-        if not urls:
-            raise ValueError("at least one server URL is needed")
-        self.urls = [u.rstrip("/") for u in urls]
-        self._it: Iterator[str] = itertools.cycle(self.urls)
-
-    def next(self) -> str:
-        return next(self._it)
+def _round_robin(urls: Sequence[str]) -> tuple[list[str], Iterator[str]]:
+    if not urls:
+        raise ValueError("at least one server URL is needed")
+    urls = [u.rstrip("/") for u in urls]
+    return urls, itertools.cycle(urls)
 
 
 def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 600.0) -> Any:
@@ -71,7 +67,7 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 6
     import aiohttp
     from aiohttp import web
 
-    prefills, decodes = RoundRobin(prefill), RoundRobin(decode)
+    (prefill_urls, prefills), (decode_urls, decodes) = _round_robin(prefill), _round_robin(decode)
     app = web.Application()
     session_key = web.AppKey("session", aiohttp.ClientSession)
 
@@ -85,7 +81,7 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 6
         body = await request.json()
         session = request.app[session_key]
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
-        p_url = prefills.next() + request.path
+        p_url = next(prefills) + request.path
         async with session.post(p_url, json=prefill_body(body), headers=headers) as resp:
             if resp.status != 200:
                 return web.Response(
@@ -96,7 +92,7 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 6
             d_body = decode_body(body, answer, p_url)
         except ProxyError as exc:
             return web.json_response({"error": {"message": str(exc), "type": "proxy_error"}}, status=502)
-        d_url = decodes.next() + request.path
+        d_url = next(decodes) + request.path
         async with session.post(d_url, json=d_body, headers=headers) as resp:
             out = web.StreamResponse(status=resp.status)
             out.content_type = resp.content_type
@@ -107,7 +103,7 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 6
             return out
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"prefill": prefills.urls, "decode": decodes.urls})
+        return web.json_response({"prefill": prefill_urls, "decode": decode_urls})
 
     for route in ROUTES:
         app.router.add_post(route, forward)
