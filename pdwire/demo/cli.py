@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from pdwire.demo.spec import Capacity, ModelSpec, pages_for
+from pdwire.demo.spec import Capacity, ModelSpec, capacity_for
 
 # exit statuses (docs/cli.md)
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE, EXIT_NOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -98,8 +98,7 @@ def validate(args: argparse.Namespace) -> str | None:
                 return f"{flag} {tp}: must divide --heads ({spec.kv_heads})"
             return f"{flag} {tp}: must divide the model's sharded sizes {_sharded(spec)}"
     # the largest pools one rank could need (every request at --max-tokens)
-    pages, swa = pages_for(spec, args.max_tokens)
-    cap = Capacity(args.requests * pages + 8, args.requests + 2, args.requests * swa + 8, args.requests + 2)
+    cap = capacity_for(spec, [args.max_tokens] * args.requests)
     need = _bytes_upper_bound(spec, cap, min(args.prefill_tp, args.decode_tp))
     if need > MAX_BYTES_PER_RANK:
         return (

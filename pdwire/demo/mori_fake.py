@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Self
 
 import msgspec
 import numpy as np
@@ -61,25 +62,26 @@ class IOEngineConfig:
     port: int = 0
 
 
-@dataclass(frozen=True)
-class EngineDesc:
+class _Packed(msgspec.Struct, frozen=True, array_like=True):
+    """A descriptor that packs as a msgpack array of its fields, in order, as MoRI's do."""
+
+    def pack(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> Self:
+        return msgspec.msgpack.decode(blob, type=cls)
+
+
+class EngineDesc(_Packed, frozen=True):
     key: str
     hostname: str
     host: str
     port: int
     pid: int
 
-    def pack(self) -> bytes:
-        return msgspec.msgpack.encode([self.key, self.hostname, self.host, self.port, self.pid])
 
-    @staticmethod
-    def unpack(blob: bytes) -> EngineDesc:
-        key, hostname, host, port, pid = msgspec.msgpack.decode(blob)
-        return EngineDesc(str(key), str(hostname), str(host), int(port), int(pid))
-
-
-@dataclass(frozen=True)
-class MemoryDesc:
+class MemoryDesc(_Packed, frozen=True):
     engine_key: str
     id: int
     device_id: int
@@ -87,18 +89,6 @@ class MemoryDesc:
     size: int
     loc: MemoryLocationType
     ipc_handle: bytes
-
-    def pack(self) -> bytes:
-        return msgspec.msgpack.encode(
-            [self.engine_key, self.id, self.device_id, self.data, self.size, int(self.loc), self.ipc_handle]
-        )
-
-    @staticmethod
-    def unpack(blob: bytes) -> MemoryDesc:
-        key, id_, dev, data, size, loc, ipc = msgspec.msgpack.decode(blob)
-        return MemoryDesc(
-            str(key), int(id_), int(dev), int(data), int(size), MemoryLocationType(loc), bytes(ipc)
-        )
 
 
 class TransferStatus:

@@ -130,11 +130,8 @@ def _prefill(cfg: RankConfig, conn: Connection) -> None:
             _, room, start, stop, last = chunks.popleft()
             if room in held:
                 s = held[room]
-                if last:
-                    state, aux = s.state_indices(cfg.spec), s.aux
-                    worker.send_chunk(room, s.pages[start:stop], last=True, state=state, aux_index=aux)
-                else:
-                    worker.send_chunk(room, s.pages[start:stop], last=False)
+                state, aux = (s.state_indices(cfg.spec), s.aux) if last else (None, None)
+                worker.send_chunk(room, s.pages[start:stop], last=last, state=state, aux_index=aux)
         if not events.get(conn.fileno()):
             continue
         while conn.poll():

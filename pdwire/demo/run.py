@@ -22,7 +22,7 @@ import numpy as np
 
 from pdwire.demo.cli import EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_VERIFY_FAILED
 from pdwire.demo.cluster import Cluster, ClusterError, RoomResult, busy_seconds
-from pdwire.demo.spec import Capacity, ModelSpec, pages_for
+from pdwire.demo.spec import ModelSpec, capacity_for
 
 
 class _Progress:
@@ -72,11 +72,7 @@ def _model_line(spec: ModelSpec) -> str:
 def run_demo(args: argparse.Namespace, backend: str, spec: ModelSpec) -> int:
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_tokens, args.max_tokens + 1, size=args.requests).tolist()
-    pages = [pages_for(spec, n) for n in lengths]
-    cap = Capacity(
-        pages=sum(p for p, _ in pages) + 8, slots=args.requests + 2, swa_pages=sum(s for _, s in pages) + 8,
-        aux_items=args.requests + 2,
-    )  # fmt: skip
+    cap = capacity_for(spec, lengths)
     _say(args, f"pdwire demo: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, backend {backend}")
     _say(args, f"  model: {_model_line(spec)}")
     _say(args, f"  machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")

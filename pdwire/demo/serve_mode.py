@@ -24,16 +24,19 @@ from typing import Any
 
 from pdwire.demo.cli import EXIT_NOT_RUN
 from pdwire.demo.local_etcd import LocalEtcd
-from pdwire.demo.spec import ModelSpec, pages_for
+from pdwire.demo.spec import ModelSpec, capacity_for
 from pdwire.runtime.control_auth import generate_directory
 from pdwire.serve.admin import admin_call
 
 
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
+def _show_logs(logs: list[Path], n: int = 30) -> None:
+    """The last ``n`` lines of each serve process's log, on stderr."""
+    for log in logs:
+        try:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            tail = ""
+        print(f"--- {log.name}\n{tail}", file=sys.stderr)
 
 
 def _wait_routable(admin: str, engine: str, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -53,13 +56,11 @@ def _wait_routable(admin: str, engine: str, procs: list[subprocess.Popen[bytes]]
 
 
 def run_serve_demo(args: argparse.Namespace, backend: str, spec: ModelSpec) -> int:
-    lengths = [pages_for(spec, n) for n in (args.max_tokens,) * args.requests]
-    pages = sum(p for p, _ in lengths) + 8
-    swa = sum(s for _, s in lengths) + 8
+    cap = capacity_for(spec, [args.max_tokens] * args.requests)
     model = [
         "--layers", str(spec.layers), "--heads", str(spec.kv_heads), "--head-dim", str(spec.head_dim),
-        "--page-size", str(spec.page_size), "--pages", str(pages), "--swa-pages", str(swa),
-        "--slots", str(args.requests + 2), "--aux-items", str(args.requests + 2), "--seed", str(args.seed),
+        "--page-size", str(spec.page_size), "--pages", str(cap.pages), "--swa-pages", str(cap.swa_pages),
+        "--slots", str(cap.slots), "--aux-items", str(cap.aux_items), "--seed", str(args.seed),
         *(["--mla"] if spec.mla else []),
     ]  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="pdwire-demo-serve-"))
@@ -130,13 +131,11 @@ def run_serve_demo(args: argparse.Namespace, backend: str, spec: ModelSpec) -> i
         good = ok == n and codes == [0, 0]
         print("  result: OK" if good else "  result: FAILED")
         if not good:
-            for log in logs:
-                print(f"--- {log.name}\n{_tail(log)}", file=sys.stderr)
+            _show_logs(logs)
         return 0 if good else 1
     except (RuntimeError, TimeoutError, OSError, KeyError, subprocess.TimeoutExpired) as exc:
         print(f"\npdwire demo --serve: {exc}", file=sys.stderr)
-        for log in logs:
-            print(f"--- {log.name}\n{_tail(log)}", file=sys.stderr)
+        _show_logs(logs)
         return EXIT_NOT_RUN  # the demo could not run; 1 is for a request that failed verification
     finally:
         for p in procs:

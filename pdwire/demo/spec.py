@@ -68,3 +68,10 @@ def pages_for(spec: ModelSpec, tokens: int) -> tuple[int, int]:
     """(KV pages, SWA pages) of a prompt of ``tokens`` tokens."""
     pages = -(-tokens // spec.page_size)
     return pages, min(pages, spec.swa_window_pages)
+
+
+def capacity_for(spec: ModelSpec, lengths: list[int]) -> Capacity:
+    """Pools that hold a prompt of each of ``lengths`` at once, with a little to spare."""
+    pages = [pages_for(spec, n) for n in lengths]
+    n = len(lengths) + 2
+    return Capacity(sum(p for p, _ in pages) + 8, n, sum(s for _, s in pages) + 8, n)

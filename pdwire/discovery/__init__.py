@@ -1,8 +1,6 @@
-"""Discovery: ranks announce themselves and learn about each other (static list or etcd).
-
-See :mod:`.base` for the interface, :mod:`.entry` for what a rank registers and how it is
-validated, :mod:`.membership` for the pure view built from registry events, and
-:func:`open_discovery` for the spec strings (``etcd://...``, ``static:PATH``).
+"""Discovery: ranks announce themselves and learn about each other (static list or etcd): the
+interface :mod:`.base`, entries :mod:`.entry`, the pure view :mod:`.membership`, the spec
+strings :func:`open_discovery`.
 """
 
 from pdwire.discovery.base import Discovery, DiscoveryError

@@ -1,9 +1,5 @@
-"""Discovery from one spec string (a flag or ``PDWIRE_DISCOVERY``).
-
-* ``etcd://HOST[:PORT][,HOST[:PORT]...][/PREFIX][?ttl=SECONDS]``: etcd at these client
-  endpoints (port 2379 by default), entries under ``PREFIX`` (default ``/pdwire``), leases of
-  ``ttl`` seconds (default 10);
-* ``static:PATH``: a static list (YAML or JSON, see :mod:`.static`).
+"""Discovery from one spec string (a flag or ``PDWIRE_DISCOVERY``):
+``etcd://HOST[:PORT][,...][/PREFIX][?ttl=S]`` or ``static:PATH`` (docs/deployment.md's table).
 """
 
 from __future__ import annotations

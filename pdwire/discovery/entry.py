@@ -51,16 +51,10 @@ class Geometry(msgspec.Struct, frozen=True):
 
 
 class RankEntry(msgspec.Struct, frozen=True):
-    """One rank, as registered.
-
-    ``control`` is the advertised control endpoint (``tcp://host:port``) peers connect to
-    (required of prefill ranks; a decode rank, which listens on nothing, leaves it empty).
-    ``backend`` names the transfer engine, ``protocol`` the pdwire protocol versions the rank
-    speaks (``"major.minor"``, newest minor per major, as its Hello), ``model`` a display form
-    of the model fingerprint: they let a peer skip an engine it cannot talk to before
-    connecting (the handshake still checks everything; empty means "not stated", as a static
-    list may leave them). ``incarnation`` is unique per process start: the same key with
-    another incarnation is a restarted rank.
+    """One rank, as registered. ``control`` is required of prefill ranks (decode listens on
+    nothing); ``backend``, ``protocol`` (``"major.minor"``, as its Hello) and ``model`` let a peer
+    skip an engine it cannot talk to before connecting (the handshake still checks everything;
+    empty means "not stated"); another ``incarnation`` under the same key is a restarted rank.
     """
 
     role: wire.Role  # spelled by name in keys and JSON (:func:`role_name`), never by number

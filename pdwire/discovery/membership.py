@@ -61,16 +61,19 @@ class Delete:
 
 
 @dataclass(frozen=True, slots=True)
-class Unreachable:
+class RegistryLost:
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
-class Reachable:
+class RegistryBack:
     pass
 
 
-RegistryEvent = Snapshot | Put | Delete | Unreachable | Reachable
+# reachability goes in as an event and comes out, once per transition, as the same value
+Unreachable = RegistryLost
+Reachable = RegistryBack
+RegistryEvent = Snapshot | Put | Delete | RegistryLost | RegistryBack
 
 # ---------------------------------------------------------------------------- changes out
 
@@ -106,16 +109,6 @@ class Updated:
 class Rejected:
     key: str
     error: RegistryEntryError
-
-
-@dataclass(frozen=True, slots=True)
-class RegistryLost:
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class RegistryBack:
-    pass
 
 
 Change = Joined | Left | Restarted | Updated | Rejected | RegistryLost | RegistryBack
@@ -229,33 +222,23 @@ class Membership:
         match event:
             case Snapshot(items=items, revision=rev):
                 return self._snapshot(items, rev)
-            case Put(key=key, value=value, revision=rev):
+            case Put(revision=rev) | Delete(revision=rev):
                 if rev < self.revision:
                     return []
                 self.revision = rev
-                return self._put(key, value)
-            case Delete(key=key, revision=rev):
-                if rev < self.revision:
+                if isinstance(event, Put):
+                    return self._put(event.key, event.value)
+                return self._delete(event.key, "removed from the registry: stopped, or its lease expired")
+            case RegistryLost() | RegistryBack():
+                back = isinstance(event, RegistryBack)
+                if self.reachable == back:
                     return []
-                self.revision = rev
-                return self._delete(key, "removed from the registry: stopped, or its lease expired")
-            case Unreachable(reason=reason):
-                if not self.reachable:
-                    return []
-                self.reachable = False
-                return [RegistryLost(reason)]
-            case Reachable():
-                if self.reachable:
-                    return []
-                self.reachable = True
-                return [RegistryBack()]
+                self.reachable = back
+                return [event]
         raise TypeError(f"not a registry event: {event!r}")
 
     def apply_all(self, events: Iterable[RegistryEvent]) -> list[Change]:
         return [c for e in events for c in self.apply(e)]
-
-    def _in_scope(self, key: str) -> bool:
-        return key.startswith(self._scopes)
 
     def _snapshot(self, items: tuple[tuple[str, bytes], ...], revision: int) -> list[Change]:
         present = {k for k, _ in items}
@@ -270,7 +253,7 @@ class Membership:
         return changes
 
     def _put(self, key: str, value: bytes) -> list[Change]:
-        if not self._in_scope(key):
+        if not key.startswith(self._scopes):
             return []
         try:
             new = decode_entry(key, value, self.prefix)

@@ -43,17 +43,11 @@ def static_entries(
     where = where or f"{role_name(role)} {engine_id}"
     if not endpoints:
         raise RegistryEntryError(where, "no endpoints listed")
-    entries = [
-        RankEntry(
-            role=role,
-            engine_id=engine_id,
-            geometry=Geometry(tp_size=len(endpoints), tp_rank=r),
-            control=ep,
-            incarnation=STATIC_INCARNATION,
-        )
-        for r, ep in enumerate(endpoints)
+    geometry = [Geometry(tp_size=len(endpoints), tp_rank=r) for r in range(len(endpoints))]
+    return [
+        validate(RankEntry(role, engine_id, g, STATIC_INCARNATION, control=ep), f"{where}[{g.tp_rank}]")
+        for g, ep in zip(geometry, endpoints, strict=True)
     ]
-    return [validate(e, f"{where}[{r}]") for r, e in enumerate(entries)]
 
 
 def parse_engine_flag(role: wire.Role, text: str) -> list[RankEntry]:

@@ -93,14 +93,12 @@ def register(subparsers: Any) -> None:
 def _ctl(args: Any) -> int:
     cmd: dict[str, Any] = {"cmd": args.command}
     if args.command == "run":
-        cmd["requests"] = args.requests
-        for key, value in (
-            ("min_tokens", args.min_tokens),
-            ("max_tokens", args.max_tokens),
-            ("room_timeout_s", args.room_timeout),
-        ):
-            if value is not None:
-                cmd[key] = value
+        given = {
+            "min_tokens": args.min_tokens,
+            "max_tokens": args.max_tokens,
+            "room_timeout_s": args.room_timeout,
+        }
+        cmd |= {"requests": args.requests} | {k: v for k, v in given.items() if v is not None}
     try:
         answer = admin_call(args.socket, cmd, args.timeout)
     except (TimeoutError, zmq.ZMQError) as exc:

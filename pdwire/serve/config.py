@@ -184,26 +184,28 @@ def _coerce(cfg: ServeConfig, name: str, value: Any, where: str) -> Any:
             return tuple(int(v) for v in value) if name == "ranks" else tuple(str(v) for v in value)
         except ValueError:
             raise _fail(f"{where} {name}", f"{value!r} is not a list of TP ranks") from None
-    expected: type = bool if isinstance(current, bool) else type(current) if current is not None else str
+    return _typed(value, current, f"{where} {name}")
+
+
+def _typed(value: Any, current: Any, where: str) -> Any:
+    """``value`` if it has the type of ``current`` (str for None); an int is a float, a bool no int."""
+    expected: type = type(current) if current is not None else str
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise _fail(f"{where} {name}", f"must be {expected.__name__}, got {value!r}")
+        raise _fail(where, f"must be {expected.__name__}, got {value!r}")
     return value
 
 
 def _memory(cfg: ServeConfig, data: object, where: str) -> MemorySettings:
     if not isinstance(data, Mapping):
         raise _fail(f"{where} memory", "must be a mapping (model: demo, layers: ..., ...)")
-    known = {f.name: f for f in fields(MemorySettings)}
+    known = [f.name for f in fields(MemorySettings)]
     out: dict[str, Any] = {}
     for k, v in data.items():
         if k not in known:
             raise _fail(f"{where} memory.{k}", f"unknown (known: {', '.join(known)})")
-        want = type(getattr(MemorySettings(), k))
-        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise _fail(f"{where} memory.{k}", f"must be {want.__name__}, got {v!r}")
-        out[k] = v
+        out[k] = _typed(v, getattr(MemorySettings(), k), f"{where} memory.{k}")
     return replace(cfg.memory, **out)
 
 

@@ -309,22 +309,17 @@ class DecodeServer(RankServer[_Rank]):
             for i, rk in enumerate(self.ranks):
                 rk.worker.check_free(req.room)
                 taken[i] = rk.parts.memory.take(req.tokens)
-        except MemoryError:
+        except (MemoryError, pd.SessionError) as exc:
             for i, s in taken.items():
                 self.ranks[i].parts.memory.give(s)
             pages = self.memory_model.pages_needed(req.tokens)
-            if pages > self.cfg.memory.pages:
-                self._fail_unstarted(
-                    req,
-                    "validation",
-                    f"{req.tokens} tokens need {pages} pages, a rank has {self.cfg.memory.pages}",
-                )
-                return True
-            return False
-        except pd.SessionError as exc:
-            for i, s in taken.items():
-                self.ranks[i].parts.memory.give(s)
-            self._fail_unstarted(req, "duplicate_room", str(exc))
+            if isinstance(exc, pd.SessionError):
+                self._fail_unstarted(req, "duplicate_room", str(exc))
+            elif pages > self.cfg.memory.pages:
+                why = f"{req.tokens} tokens need {pages} pages, a rank has {self.cfg.memory.pages}"
+                self._fail_unstarted(req, "validation", why)
+            else:
+                return False  # memory is short for now: the request waits
             return True
         req.slots, req.engine_id, req.started_at = taken, group.engine_id, now
         self.live[req.room] = req

@@ -102,12 +102,9 @@ class PrefillServer(RankServer[_Rank]):
             pages, step = len(src.kv_pages), self.cfg.chunk_pages
             for start in range(0, pages, step):
                 stop = min(pages, start + step)
-                if stop < pages:
-                    rk.worker.send_chunk(room, src.kv_pages[start:stop], last=False)
-                else:
-                    rk.worker.send_chunk(
-                        room, src.kv_pages[start:stop], last=True, state=src.state, aux_index=src.aux_index
-                    )
+                last = stop == pages  # the last chunk carries state and aux
+                state, aux = (src.state, src.aux_index) if last else (None, None)
+                rk.worker.send_chunk(room, src.kv_pages[start:stop], last=last, state=state, aux_index=aux)
         if len(rk.refused) > 4096:  # the worker keeps tombstones; so little need be kept here
             rk.refused = {r for r in rk.refused if r in rk.worker.session.rooms}
 
