@@ -1,22 +1,16 @@
-"""Connecting to one prefill group without blocking: a pure state machine (h11 style).
+"""Connecting to one prefill group without blocking: a pure state machine (h11 style; its moves:
+``GROUP_CONNECT`` in :mod:`.states`).
 
 A *group* is the prefill ranks of one engine's attention-DP group that a decode rank's routing
-names. Each rank's handshake is run by its own :class:`~.decode_connection.DecodeConnection`;
-this machine orders them (one after another: with NIXL 1.5.1, two prefill processes adding the
-same decode agent at the same moment left one's writes pending until their timeout), checks
-that the ranks are one group, and holds the rooms asked of the group before it is ready.
+names; each rank's handshake is its own :class:`~.decode_connection.DecodeConnection`. This
+machine runs them one after another (with NIXL 1.5.1, two prefill processes adding the same
+decode agent at the same moment left one's writes pending until their timeout), checks that the
+ranks are one group whose PP stages hold each of this rank's layers once (:mod:`.stage_layers`),
+and holds the rooms asked of the group before it is ready. Nothing was sent for a held room, so
+when it fails its slots are the engine's again at once.
 
-It is ready (``GROUP_CONNECT`` in :mod:`.states`) once every rank registered, all of one
-engine and DP group, and, when every rank named the layers it holds (1.4), its PP stages hold
-each of this rank's layers once (:mod:`.stage_layers`); it fails when a rank refused, the
-handshake deadline passed, or the ranks are not one group or leave layers unwritten.
-A held room waits inside its own deadline: it starts when the group becomes ready, and fails
-typed (``handshake`` with the cause, or ``timeout`` at its deadline) otherwise. Nothing was
-sent for a held room, so no writer can touch its slots: they are the engine's again at once.
-
-The edge opens the link each :class:`OpenLink` names, reports each link's outcome with
-:meth:`GroupConnect.on_link_ready` / :meth:`GroupConnect.on_link_refused`, and calls
-:meth:`GroupConnect.on_tick` with the time.
+The edge opens the link each :class:`OpenLink` names and reports its outcome with
+:meth:`GroupConnect.on_link_ready` / :meth:`GroupConnect.on_link_refused`.
 """
 
 from __future__ import annotations

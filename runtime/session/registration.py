@@ -257,14 +257,15 @@ def check_layout_version(
         )
 
 
-def _check_kinds(memory: RankMemory, side: str) -> None:
+def _check_kind(kind: StateKind | None, where: str) -> None:
     """A state kind the planner cannot move is refused by name, before any registration."""
+    if kind in UNPLANNABLE_KINDS:
+        raise HandshakeError(f"{where}: state kind {kind.value} cannot be moved: {UNPLANNABLE_KINDS[kind]}")
+
+
+def _check_kinds(memory: RankMemory, side: str) -> None:
     for ci, c in enumerate(memory.state):
-        if c.kind in UNPLANNABLE_KINDS:
-            raise HandshakeError(
-                f"{side} state_components[{ci}]: state kind {c.kind.value} cannot be moved: "
-                f"{UNPLANNABLE_KINDS[c.kind]}"
-            )
+        _check_kind(c.kind, f"{side} state_components[{ci}]")
 
 
 def _tensor_layout(t: StateTensor) -> wire.StateTensorLayout:
@@ -683,11 +684,7 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
     state = []
     for ci, (wc, lc) in enumerate(zip(info.state_components, local.state, strict=True)):
         kind = _WIRE_TO_KIND.get(wire.StateType(wc.type))
-        if kind in UNPLANNABLE_KINDS:
-            raise HandshakeError(
-                f"peer state_components[{ci}]: state kind {kind.value} cannot be moved: "
-                f"{UNPLANNABLE_KINDS[kind]}"
-            )
+        _check_kind(kind, f"peer state_components[{ci}]")
         if kind is not lc.kind:
             raise HandshakeError(
                 f"state component {ci}: peer has {wire.StateType(wc.type).name}, this side {lc.kind.name}"

@@ -1,13 +1,10 @@
 """A decode rank's rooms: the requests it asked for, around the pure
 :class:`~pdwire.runtime.session.decode_session.DecodeSession`.
 
-A room is started on a ready group at once (one TransferRequest per prefill rank the group's
-route names), held while its group still connects (the group's
-:class:`~pdwire.runtime.session.group_connect.GroupConnect` starts or fails it), or waits while
-a rank of a ready group registers again after its revocation. Completions (engine
-notifications, or control messages for parts with nothing to write), statuses and aborts go to
-the session; what the session decides (release, revoke, send an abort) is carried out here,
-with the links (:class:`~.decode_links.DecodeLinks`) for everything that touches a socket.
+A room starts on a ready group at once, is held while its group still connects, or waits while
+a rank of a ready group registers again after its revocation. What the session decides
+(release, revoke, send an abort) is carried out here, with the links
+(:class:`~.decode_links.DecodeLinks`) for everything that touches a socket.
 """
 
 from __future__ import annotations
