@@ -53,9 +53,7 @@ def check_protocol(p: Protocol) -> None:
                 raise SchemaError(loc, f"already promised from {format_version(promised[name])}")
             promised[name] = info.version
     _check_enums(p)
-    type_ids: dict[int, str] = {}
-    for tid, name in p.reserved_types:
-        type_ids[tid] = f"reserved type {name}"
+    type_ids = {tid: f"reserved type {name}" for tid, name in p.reserved_types}
     for m in p.messages.values():
         loc = where(f, m.name)
         if m.since not in vs:

@@ -118,13 +118,9 @@ def _build_field(
     ty = parse_type(fd.type, loc, doc.enums, doc.messages)
     since = parse_version(fd.since or md.since or first, loc)
     removed = parse_version(fd.removed, loc) if fd.removed is not None else None
-    deprecated: str | None
-    if fd.deprecated is False:
-        deprecated = None
-    elif fd.deprecated is True:
-        deprecated = "deprecated"
-    else:
-        deprecated = str(fd.deprecated)
+    deprecated = (
+        None if fd.deprecated is False else "deprecated" if fd.deprecated is True else str(fd.deprecated)
+    )
     return Field(
         id=fd.id,
         name=fd.name,
