@@ -150,14 +150,9 @@ class ReleaseRoom:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseSlots:
-    """A decode room's destination slots are the engine's again: no sender writes into them.
-
-    Follows ``ReleaseRoom(SUCCESS)`` at once (every write completed). For a failed room it
-    waits until every sender that could write has fenced: a Success status, a Failed status
-    or AbortAck from a sender whose reports are fences, or the sender's revocation (its
-    access to the memory was cut off); ``revoked`` names the senders fenced that way. A
-    timeout alone never releases slots.
-    """
+    """A decode room's destination slots are the engine's again: no sender writes into them
+    (at once after a success; for a failed room once every sender fenced, :mod:`.decode_room`).
+    ``revoked`` names the senders fenced by revocation."""
 
     room: int
     revoked: tuple[PeerRef, ...] = ()
@@ -165,15 +160,9 @@ class ReleaseSlots:
 
 @dataclass(frozen=True, slots=True)
 class RevokePeer:
-    """Cut ``peer`` off this decode rank's memory (``Backend.revoke``), because it may still
-    write into a failed room's slots and cannot say that it stopped (it is gone, silent past
-    the fence timeout, or its engine's reports are no fence).
-
-    The edge answers with ``DecodeSession.on_peer_lost`` at once if it revoked (every live
-    room of the peer fails: its writes now go nowhere) and ``on_revoked`` once the revocation
-    settled, or with ``on_unrevocable`` (the slots then stay quarantined). The peer writes
-    here again only after it registered again (new windows).
-    """
+    """Cut ``peer`` off this decode rank's memory (``Backend.revoke``): it may still write into a
+    failed room's slots and cannot say that it stopped. The edge answers as
+    :mod:`.decode_session` says; the peer writes here again only after it registered again."""
 
     peer: PeerRef
 

@@ -1,15 +1,10 @@
-"""A worker on its own thread: the way engine schedulers call a transfer layer.
+"""A worker on its own thread: the way engine schedulers (SGLang's, vLLM's connector) call a
+transfer layer, never blocking on a transfer (usage: docs/engine-api.md).
 
-SGLang's scheduler and vLLM's connector call from their own threads and must never block on
-a transfer. :class:`WorkerThread` owns one worker (prefill or decode) and steps it in a loop;
-any thread hands it work with :meth:`WorkerThread.submit`, which queues a call, wakes the loop
-at once (a pipe the worker's poller watches) and returns a :class:`concurrent.futures.Future`
-for the call's result or exception. The worker's callbacks (``on_released``, ``on_finished``,
-``on_slots_released``) run on the worker's thread: keep them short, and hand results to the
-engine's own thread safely (a queue, a lock).
-
-The worker itself is not thread-safe: once the thread runs, call it only through
-:meth:`submit` (``t.submit(worker.send_chunk, room, pages, last=True)``).
+:meth:`WorkerThread.submit` queues a call, wakes the loop at once (a pipe the worker's poller
+watches) and returns a Future. The worker's callbacks run on the worker's thread: keep them
+short. The worker itself is not thread-safe: once the thread runs, call it only through
+:meth:`submit`.
 """
 
 from __future__ import annotations
