@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import pdwire.wire as w
 from _common import codec_arguments, interleaved_us, machine, reference_loop, reference_text, table_row
 from baseline_frames import (
     ascii_int,
@@ -33,6 +32,8 @@ from baseline_frames import (
     unpack_list_of_buffers,
     unpack_u64,
 )
+
+import pdwire.wire as w
 
 # ---------------------------------------------------------------------------- baseline codec
 

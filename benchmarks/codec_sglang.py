@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from _common import codec_arguments, interleaved_us, reference_loop, table_row
 from baseline_frames import native_u64, pack_int_lists, unpack_int_lists, unpack_u64
+
 from pdwire.wire import sglang
 
 IP = b"10.0.0.2"

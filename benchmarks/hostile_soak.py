@@ -59,11 +59,10 @@ def serve(mode: str) -> int:
     a line on stdin asks for its stats (printed as JSON)."""
     import select
 
+    from pdwire.demo.rank import model_fingerprint
     from pdwire.runtime.backends.local import LocalBackend
     from pdwire.runtime.control_auth import ControlAuth
     from pdwire.runtime.engine import ParallelRank, PrefillConfig, PrefillWorker
-
-    from pdwire.demo.rank import model_fingerprint
 
     backend = LocalBackend(agent_name=f"soak-prefill-{os.getpid()}")
     caches = demo_caches(backend, pages=64, slots=8, swa_pages=16, aux_items=8)
@@ -126,11 +125,11 @@ def bad_registration(agent_name: str) -> Any:
 
 def attack(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import zmq
-    from pdwire.runtime.config import ParallelRank
-    from pdwire.runtime.session.hello import Identity
 
     from pdwire import wire
     from pdwire.demo.rank import model_fingerprint
+    from pdwire.runtime.config import ParallelRank
+    from pdwire.runtime.session.hello import Identity
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 from _common import arguments, head, machine, median_s
+
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     AuxBuffer,

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
 from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, generate_directory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # request_model when imported by tests
@@ -188,6 +189,7 @@ def side_main(role: str, case: Case, conn: Connection) -> None:
 
 def _start_ranks(side: _Side, role: str, content: Content | None, where: Placement) -> None:
     import zmq
+
     from pdwire.runtime import engine as pd
 
     case = side.case

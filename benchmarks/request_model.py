@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import (
     AuxBuffer,

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 from _common import arguments, load, machine, median_s, rows_table, single_host
+
 from pdwire.runtime.backends import available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable, Region
 from pdwire.runtime.staging import HostCopier

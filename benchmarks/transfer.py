@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from _common import arguments, head, load, machine, rows_table, single_host, table_row
+
 from pdwire.runtime.backends import Backend, available_backends, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from _common import arguments, load, machine, table_row
+
 from pdwire.runtime.control_auth import ENV_KEYS, generate_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine harness is test tooling

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime import engine as pd
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 4, 8, 4  # KV: NHD pages of PAGE tokens x heads x HEAD_DIM

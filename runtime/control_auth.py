@@ -24,6 +24,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+
 from pdwire.runtime.config import ConfigError
 
 KEY_NAME = "control"  # control.key / control.key_secret in a key directory

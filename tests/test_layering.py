@@ -283,7 +283,6 @@ def test_runtime_names_do_not_collide_with_wire_names() -> None:
     # Status and FailureKind, whose numbers are the wire's), never a look-alike type
     import pdwire.runtime.engine as pd
     import pdwire.runtime.planner as planner
-
     from pdwire import wire
 
     for module in (pd, planner):

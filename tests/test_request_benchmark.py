@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdwire.runtime.backends import available_backends
 
 ROOT = Path(__file__).resolve().parents[1]

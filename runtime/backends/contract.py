@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends.errors import (
     BackendClosed,
     DescriptorError,

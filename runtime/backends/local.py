@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends import peer_memory, possession, shm
 from pdwire.runtime.backends.contract import Backend
 from pdwire.runtime.backends.errors import PeerError

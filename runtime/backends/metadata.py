@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.values import PeerMetadata
 from pdwire.runtime.descriptors import MemoryKind, Region

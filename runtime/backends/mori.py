@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+
 from pdwire.runtime.backends import shm
 from pdwire.runtime.backends.contract import Backend, batches
 from pdwire.runtime.backends.errors import PeerError, RegistrationError, TransferError

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends.contract import Backend, batches
 from pdwire.runtime.backends.errors import (
     BackendUnavailable,

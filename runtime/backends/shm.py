@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends.metadata import pid_alive
 
 SHM_DIR = "/dev/shm"

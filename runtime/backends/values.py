@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends.errors import RegistrationError
 from pdwire.runtime.descriptors import MemoryKind, Region, RegionColumns
 

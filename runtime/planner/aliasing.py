@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime.descriptors import U64
 from pdwire.runtime.planner.errors import OverlappingDestination
 from pdwire.runtime.planner.model import RankMemory

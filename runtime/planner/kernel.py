@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.descriptors import U32, U64, DescriptorTable
 from pdwire.runtime.planner.errors import DuplicateDestination, IndexListMismatch, IndexOutOfRange, PlanError
 from pdwire.runtime.planner.patterns import Pattern, coalesce

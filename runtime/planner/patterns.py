@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime.descriptors import U64
 from pdwire.runtime.planner.model import HeadGeometry, Layout
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime.planner.aliasing import DestinationOverlaps, destination_overlaps
 from pdwire.runtime.planner.errors import (
     GeometryMismatch,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner.errors import IndexListMismatch
 from pdwire.runtime.planner.kernel import (

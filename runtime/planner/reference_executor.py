@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.descriptors import DescriptorTable, Region
 
 Bytes = npt.NDArray[np.uint8]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.failures import Failure
 from pdwire.runtime.session.status import Status

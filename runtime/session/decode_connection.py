@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from pdwire import wire
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.indices import RESERVED_ROOM
 from pdwire.runtime.planner import HeadGeometry, RankMemory
@@ -43,8 +45,6 @@ from pdwire.runtime.session.registration import check_layout_version, heads_from
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.states import DECODE_CONNECTION, DecodeConnState, StateField
 from pdwire.runtime.session.status import Status
-
-from pdwire import wire
 
 
 @dataclass(frozen=True, slots=True)

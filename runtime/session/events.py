@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdwire import wire
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.session.failures import Failure
 from pdwire.runtime.session.prefill_room import Target
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
-
-from pdwire import wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdwire import wire
 from pdwire.runtime.config import ConfigError, ParallelRank
 from pdwire.runtime.session.failures import HandshakeError
 from pdwire.wire import features
-
-from pdwire import wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from pdwire.runtime.planner import Indexing, RankMemory
-from pdwire.runtime.session.hello import LAYOUTS_SINCE
 
 from pdwire import wire
+from pdwire.runtime.planner import Indexing, RankMemory
+from pdwire.runtime.session.hello import LAYOUTS_SINCE
 from pdwire.wirecore.envelope.header import parse_header
 
 PROBE_ITEMS = 1024  # past the 1 KiB side-frame threshold: each longer list is a side frame of 4 bytes an item

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from pdwire import wire
 from pdwire.runtime.indices import RESERVED_ROOM
 from pdwire.runtime.planner import PeerPlan, PlanError, RankMemory, prepare_peer
 from pdwire.runtime.session.actions import AuxPart, KvPart, Part, PeerRef, StatePart
@@ -52,8 +54,6 @@ from pdwire.runtime.session.registration import (
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.states import PREFILL_CONNECTION, PrefillConnState, StateField
 from pdwire.runtime.session.status import Status
-
-from pdwire import wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+
+from pdwire import wire
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import (
     UNPLANNABLE_KINDS,
@@ -38,8 +40,6 @@ from pdwire.runtime.planner import (
 from pdwire.runtime.session.failures import HandshakeError, RegistrationMismatch
 from pdwire.runtime.session.hello import LAYOUTS_SINCE, SELF_DESCRIBING_SINCE, geometry_of, rank_of
 from pdwire.wire import features
-
-from pdwire import wire
 
 # same names on both sides; nsa from 1.3, SGLang's other kinds from 1.4 (the codec refuses
 # them for older peers, and check_layout_version names them first)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region, RegionColumns, outside_regions
 
 U8 = npt.NDArray[np.uint8]

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     HeadGeometry,

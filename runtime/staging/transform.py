@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+
 from pdwire.runtime.descriptors import DescriptorTable
 
 U64 = np.uint64

@@ -18,10 +18,11 @@ from itertools import count
 from typing import Any, ClassVar
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
 from pdwire.runtime.config import ConfigError, WorkerConfig
 from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, ControlAuth
 from pdwire.runtime.workers.failure_log import log as failure_log
-from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("pdwire.auth")
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+
+from pdwire import wire
 from pdwire.runtime.backends import Backend
 from pdwire.runtime.config import ConfigError, DecodeConfig
 from pdwire.runtime.indices import RequestIndices
@@ -28,8 +30,6 @@ from pdwire.runtime.workers.decode_links import PREFILL_MAX_MESSAGE, DecodeLinks
 from pdwire.runtime.workers.decode_rooms import DecodeRooms, OnFinished, OnSlotsReleased
 from pdwire.runtime.workers.scatter import ScatterReceiver
 from pdwire.runtime.workers.setup import RankEdge, register_memory
-
-from pdwire import wire
 
 __all__ = ["PREFILL_MAX_MESSAGE", "DecodeStats", "DecodeWorker", "OnConnected", "PrefillGroup"]
 

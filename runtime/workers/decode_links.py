@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdwire import wire
 from pdwire.runtime.backends import Backend
 from pdwire.runtime.config import ConfigError, DecodeConfig
 from pdwire.runtime.control_auth import ControlAuth
@@ -44,9 +47,6 @@ from pdwire.runtime.session.states import DecodeConnState, GroupState
 from pdwire.runtime.workers.curve import HANDSHAKE_EVENTS, connect_curve, report_refusal
 from pdwire.runtime.workers.failure_log import FailureLog, log
 from pdwire.runtime.workers.scatter import ScatterReceiver
-from zmq.utils.monitor import recv_monitor_message
-
-from pdwire import wire
 
 if TYPE_CHECKING:
     from collections.abc import Callable

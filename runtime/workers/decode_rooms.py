@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from pdwire import wire
 from pdwire.runtime.backends import EngineNotification
 from pdwire.runtime.config import ConfigError, DecodeConfig
 from pdwire.runtime.indices import IndicesError, RequestIndices, check_room
@@ -39,8 +40,6 @@ from pdwire.runtime.staging import CopyError
 from pdwire.runtime.workers.decode_links import Connecting, DecodeLinks, DecodeStats, Link, PrefillGroup
 from pdwire.runtime.workers.failure_log import log
 from pdwire.runtime.workers.scatter import ScatterGeometryError, ScatterReceiver, ScatterRefused
-
-from pdwire import wire
 
 OnFinished = Callable[[int, Status, Failure | None], None]
 OnSlotsReleased = Callable[[int], None]

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdwire import wire
 from pdwire.runtime.backends import Backend, BackendError, Peer, PeerMetadata, TransferHandle, TransferState
 from pdwire.runtime.config import ConfigError, PrefillConfig
 from pdwire.runtime.descriptors import DescriptorTable
@@ -66,9 +69,6 @@ from pdwire.runtime.workers.curve import (
 from pdwire.runtime.workers.failure_log import FailureLog, log
 from pdwire.runtime.workers.setup import RankEdge, register_memory
 from pdwire.runtime.workers.staging import Stager
-from zmq.utils.monitor import recv_monitor_message
-
-from pdwire import wire
 
 # Peers decide how many connections and how large a message a rank holds; these bound both.
 CONTROL_MAX_MESSAGE = 32 << 20

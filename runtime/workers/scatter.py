@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
 from pdwire.runtime.backends import Backend, BackendError
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.descriptors import MemoryKind

@@ -8,14 +8,14 @@ import os
 from typing import Any, Self
 
 import zmq
+
+from pdwire import wire
 from pdwire.runtime.backends import Backend, create_backend
 from pdwire.runtime.config import ConfigError, ParallelRank, WorkerConfig
 from pdwire.runtime.planner import PlanError, RankMemory, regions
 from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.workers.backoff import PollBackoff
 from pdwire.runtime.workers.curve import resolve
-
-from pdwire import wire
 
 
 class RankEdge:

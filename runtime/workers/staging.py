@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime.backends import Backend, BackendError, Peer
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind
 from pdwire.runtime.planner import PeerPlan

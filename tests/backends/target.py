@@ -18,9 +18,8 @@ import select
 import sys
 import time
 
-from pdwire.runtime.backends import create_backend
-
 from pdwire.demo import register_mori_fake
+from pdwire.runtime.backends import create_backend
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.backends import (
     Backend,
     BackendClosed,

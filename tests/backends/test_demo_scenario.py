@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from pdwire.runtime.backends import available_backends
 from pdwire.runtime.backends.registry import known_backends
-
 from tests.e2e.conftest import Pool, assert_pair_byte_exact, running_pool
 
 PAIRS = [(1, 2), (2, 1), (2, 4)]

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdwire.runtime.backends import possession, shm
 from pdwire.runtime.backends.errors import BackendError, PeerError
 from pdwire.runtime.backends.local import LocalBackend

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from pdwire.runtime.backends import possession
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.local import LocalBackend

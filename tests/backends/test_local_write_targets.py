@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+
 from pdwire.runtime.backends import peer_memory, shm
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.local import LocalBackend

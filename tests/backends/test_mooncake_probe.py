@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from pdwire.runtime.backends.errors import PeerError
 from pdwire.runtime.backends.mooncake import MooncakeBackend
 from pdwire.runtime.descriptors import MemoryKind, Region

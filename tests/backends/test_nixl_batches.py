@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdwire.runtime.backends import TransferState, available_backends, create_backend
 
+from pdwire.runtime.backends import TransferState, available_backends, create_backend
 from tests.backends.test_conformance import MiB, mib_table, source
 
 pytestmark = pytest.mark.engine("nixl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdwire.runtime.backends import create_backend
 from pdwire.runtime.backends.options import (
     BackendOptionError,

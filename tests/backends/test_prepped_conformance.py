@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.backends import TransferState
 from pdwire.runtime.backends.nixl import NixlBackend
 from pdwire.runtime.descriptors import DescriptorTable
-
 from tests.backends.test_conformance import params, source
 
 SLOT = 256

@@ -13,13 +13,13 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 import pytest
+
+from pdwire import wire
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 from pdwire.runtime.backends import Backend, PeerError, PeerMetadata, create_backend
 from pdwire.runtime.session.failures import HandshakeError
 from pdwire.runtime.session.hello import check_descriptors
 from pdwire.runtime.session.registration import join_region_descs, register_info
-
-from pdwire import wire
-from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
 
 CAP = Capacity(pages=8, slots=3, swa_pages=4, aux_items=2)
 SPEC = ModelSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)

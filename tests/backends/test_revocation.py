@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.backends import Backend, PeerError, PeerMetadata, TransferState
 from pdwire.runtime.backends.metadata import decode_envelope, encode_envelope
-
 from tests.backends.test_conformance import params, source, table
 
 ROOT = Path(__file__).resolve().parents[2]

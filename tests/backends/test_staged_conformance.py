@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.backends import TransferState
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.staging import HostCopier, gather, scatter_write
-
 from tests.backends.test_conformance import Target, params, sha, source
 
 PAGES, TOKENS, ROW, SLICE = 48, 64, 1024, 512

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from pdwire.runtime.backends import TransferState
 from pdwire.runtime.backends.wakeup import DatagramWaker, poke
-
 from tests.backends.test_conformance import MiB, mib_table, pair, params
 
 

@@ -11,9 +11,9 @@ import threading
 from typing import Any
 
 import pytest
+
 from pdwire.runtime.backends import TransferState
 from pdwire.runtime.backends.values import DONE, PENDING
-
 from tests.backends.test_conformance import MiB, mib_table, pair
 
 WORKER_BACKENDS = ["local", "mooncake"]

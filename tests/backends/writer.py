@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+
 from pdwire.runtime.backends import PeerMetadata, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.endpoints import EndpointError, HostPort, check_advertisable, parse_host_port
 
 from pdwire import wire
 from pdwire.discovery import Geometry, RankEntry, RegistryEntryError, decode_entry, encode_entry
 from pdwire.discovery.entry import entry_from_dict, rank_name
+from pdwire.runtime.endpoints import EndpointError, HostPort, check_advertisable, parse_host_port
 
 ENTRY = RankEntry(
     role=wire.Role.PREFILL,

@@ -16,6 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+
+from pdwire.demo.cluster import Cluster, Group, RoomResult
+from pdwire.demo.content import RoomSlots, pages_for
+from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.demo.rank import model_fingerprint
 from pdwire.runtime.backends import Backend, available_backends
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.engine import (
@@ -28,11 +33,6 @@ from pdwire.runtime.engine import (
     PrefillWorker,
     Status,
 )
-
-from pdwire.demo.cluster import Cluster, Group, RoomResult
-from pdwire.demo.content import RoomSlots, pages_for
-from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
-from pdwire.demo.rank import model_fingerprint
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -27,6 +27,9 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from pdwire import wire
+from pdwire.demo.rank import model_fingerprint
 from pdwire.runtime.backends import possession
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.config import ParallelRank
@@ -34,9 +37,6 @@ from pdwire.runtime.planner import regions
 from pdwire.runtime.session.hello import Identity, geometry_of
 from pdwire.runtime.session.registration import register_info
 from pdwire.wire import backend_metadata as bm
-
-from pdwire import wire
-from pdwire.demo.rank import model_fingerprint
 from tests.e2e.conftest import SPEC, worker_caches
 
 NOBODY = 65534

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from pdwire import wire
+from pdwire.demo.rank import model_fingerprint
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.planner import regions
 from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.session.registration import register_info
-
-from pdwire import wire
-from pdwire.demo.rank import model_fingerprint
 from tests.e2e.conftest import SPEC, worker_caches
 
 

@@ -17,7 +17,6 @@ import sys
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.control_auth import ControlAuth
 from pdwire.runtime.engine import DecodeWorker, Failure, HandshakeError, Status
-
 from tests.e2e.conftest import SPEC, decode_config, room_slots, worker_caches
 
 

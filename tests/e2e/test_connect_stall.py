@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from pdwire.runtime.engine import FailureKind, GroupState, HandshakeError, Status
 
 from pdwire.demo.cluster import Cluster
 from pdwire.demo.content import fill, full_tensors, verify
+from pdwire.runtime.engine import FailureKind, GroupState, HandshakeError, Status
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok, room_slots, send, worker_pair
 
 TOKENS = 40

@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 import zmq
+
+from pdwire import wire
+from pdwire.demo.rank import model_fingerprint
 from pdwire.runtime.config import ConfigError, ParallelRank
 from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, ControlAuth, generate_directory
 from pdwire.runtime.engine import DecodeWorker, GroupState, HandshakeError, PrefillGroup, Status
 from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.workers.curve import resolve
-
-from pdwire import wire
-from pdwire.demo.rank import model_fingerprint
 from tests.e2e.conftest import SPEC, WorkerPair, decode_config, prefill_config, serving, worker_pair
 from tests.e2e.test_hostile_peers import run_room
 

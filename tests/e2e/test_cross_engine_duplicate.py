@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 import zmq
-from pdwire.runtime.backends.local import LocalBackend
-from pdwire.runtime.engine import DecodeWorker, PrefillWorker, Status
 
 from pdwire.demo.content import fill, full_tensors
+from pdwire.runtime.backends.local import LocalBackend
+from pdwire.runtime.engine import DecodeWorker, PrefillWorker, Status
 from tests.e2e.conftest import SPEC, decode_config, prefill_config, room_slots, send, serving, worker_caches
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
 from pdwire.runtime import engine as pd
 from pdwire.runtime.backends.local import LocalBackend
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdwire.runtime.backends import available_backends
 
+from pdwire.runtime.backends import available_backends
 from tests.workers.test_torch_memory import BLOCK_TORCH
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine_pair.py"

@@ -14,12 +14,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+
+from pdwire.demo.content import RoomSlots, fill, full_tensors, verify
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import DONE, TransferHandle
 from pdwire.runtime.config import ConfigError
 from pdwire.runtime.engine import DuplicateRoomError, Status
-
-from pdwire.demo.content import RoomSlots, fill, full_tensors, verify
 from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
 TOKENS = 40  # 10 pages: one KV chunk, two state components and aux, posted together

@@ -14,16 +14,16 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+
+from pdwire import wire
+from pdwire.demo.content import fill, full_tensors
+from pdwire.demo.rank import model_fingerprint
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.engine import Status
 from pdwire.runtime.session.failures import FailureKind
 from pdwire.runtime.session.hello import Identity
 from pdwire.runtime.session.prefill_connection import PrefillConnection
 from pdwire.runtime.session.registration import register_info
-
-from pdwire import wire
-from pdwire.demo.content import fill, full_tensors
-from pdwire.demo.rank import model_fingerprint
 from tests.e2e.conftest import SPEC, WorkerPair, room_slots, send, worker_pair
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdwire.runtime.workers.prefill import MAX_CONNECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]

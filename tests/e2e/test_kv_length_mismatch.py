@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from pdwire.runtime.engine import FailureKind, Status
 
 from pdwire.demo.content import RoomSlots, fill, full_tensors
+from pdwire.runtime.engine import FailureKind, Status
 from tests.e2e.conftest import SPEC, room_slots, send, worker_pair
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from pdwire.runtime.workers.prefill import CONTROL_MAX_MESSAGE
-
 from tests.e2e.conftest import WorkerPair, worker_pair
 from tests.e2e.test_hostile_peers import run_room
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+
 from pdwire.runtime import engine as pd
 
 LAYERS, PAGE, LATENT = 2, 4, 12  # MLA: per token one latent of LATENT uint16, the same on every rank

@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pdwire.demo.content import fill, full_tensors
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import TransferHandle
 from pdwire.runtime.engine import FailureKind, Status
-
-from pdwire.demo.content import fill, full_tensors
 from tests.e2e.conftest import SPEC, room_slots, send, worker_pair
 
 ROOM_S = 1.0

@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from pdwire.runtime.engine import HandshakeError
 
 from pdwire.demo.model import RankCaches
+from pdwire.runtime.engine import HandshakeError
 from tests.e2e.conftest import serving, worker_pair
 
 

@@ -12,13 +12,13 @@ import time
 from typing import Any
 
 import pytest
+
+from pdwire.demo.content import fill, full_tensors
 from pdwire.runtime.backends import shm
 from pdwire.runtime.backends.jobs import Job
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.backends.values import DONE, TransferHandle, failed
 from pdwire.runtime.engine import DecodeWorker, IndicesError, PrefillWorker, Status
-
-from pdwire.demo.content import fill, full_tensors
 from tests.e2e.conftest import (
     SPEC,
     decode_config,

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 import pdwire.wire as w
 from pdwire.codegen.loader import load_file
 from pdwire.codegen.model import Message, Protocol, TypeRef, Version, format_version

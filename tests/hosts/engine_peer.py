@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+
 from pdwire.runtime.backends import PeerError, PeerMetadata, create_backend
 from pdwire.runtime.descriptors import DescriptorTable
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+
 from pdwire.runtime.backends import create_backend
 
 REUSED = 0x5A

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdwire.runtime.backends import available_backends
 
+from pdwire.runtime.backends import available_backends
 from tests.support.netns import Host, Proc, TwoHosts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdwire.runtime.backends import available_backends
 
+from pdwire.runtime.backends import available_backends
 from tests.support.etcd_server import EtcdServer
 from tests.support.netns import TwoHosts
 from tests.support.serve import Served, start_serve, wait_log, wait_routable

@@ -21,11 +21,11 @@ import time
 from typing import cast
 
 import pytest
-from pdwire.runtime.backends import available_backends
 
 from pdwire.demo.cluster import Cluster
 from pdwire.demo.content import pages_for
 from pdwire.demo.model import Capacity
+from pdwire.runtime.backends import available_backends
 from tests.e2e.conftest import CAP, SPEC, assert_rooms_ok
 from tests.hosts.netns_rank import RankProcess, start_on
 from tests.hosts.test_engines import ENGINES

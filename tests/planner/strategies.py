@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from pdwire.runtime.planner import Indexing, Layout, StateKind
 
+from pdwire.runtime.planner import Indexing, Layout, StateKind
 from tests.planner.world import ComponentSpec, KvSpec, SideLayout, TensorSpec, World
 
 # Oracle cases run hundreds of examples even in the ci profile; the dev profile raises them further.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from pdwire.runtime.planner import KvPool, Layout, ParallelRank, RankMemory, prepare_peer, regions
 from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 

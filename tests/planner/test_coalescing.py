@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.planner import Layout, prepare_peer
 
+from pdwire.runtime.planner import Layout, prepare_peer
 from tests.planner.builders import kv_pool, rank
 from tests.planner.strategies import index_lists
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.planner import (
     GeometryMismatch,

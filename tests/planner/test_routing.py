@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdwire.runtime.planner import TopologyError, decode_ranks_of_prefill, heads_held, route_decode_rank
 
+from pdwire.runtime.planner import TopologyError, decode_ranks_of_prefill, heads_held, route_decode_rank
 from tests.planner.strategies import HEADS, TP
 from tests.planner.world import oracle_heads
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from pdwire.runtime.descriptors import DescriptorTable, Region
 from pdwire.runtime.planner import (
     DuplicateDestination,
@@ -18,7 +19,6 @@ from pdwire.runtime.planner import (
     TopologyError,
     prepare_peer,
 )
-
 from tests.planner.builders import kv_pool, mamba, paged, rank, with_kv
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from pdwire.runtime.descriptors import DescriptorTable
 from pdwire.runtime.planner import (
     AuxBuffer,

@@ -7,6 +7,7 @@ made up: the connection machines and rooms never touch memory.
 
 from __future__ import annotations
 
+from pdwire import wire
 from pdwire.runtime.engine import (
     AuxBuffer,
     HeadGeometry,
@@ -20,8 +21,6 @@ from pdwire.runtime.engine import (
     StatePool,
     StateTensor,
 )
-
-from pdwire import wire
 
 LAYERS, HEADS, HEAD_BYTES, PAGE, PAGES = 2, 4, 16, 4, 32
 CONV_BLOCKS, CONV_WIDTH, SSM_HEADS, SSM_BYTES = (8, 8, 16), 6, 4, 64

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from pdwire import wire
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.actions import KvPart, PeerRef, SendRequest
@@ -41,8 +43,6 @@ from pdwire.runtime.session.hello import LAYOUTS_SINCE, Identity
 from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillConnState, PrefillLocal
 from pdwire.runtime.session.stage_layers import HeldLayers
 from pdwire.runtime.session.status import Status
-
-from pdwire import wire
 from tests.session.memories import MODEL, hybrid
 
 VERSIONS = [tuple(v) for v in wire.VERSIONS]

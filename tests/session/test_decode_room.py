@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdwire.runtime.session.actions import PeerRef, ReleaseRoom, ReleaseSlots, RevokePeer, SendAbort
 from pdwire.runtime.session.decode_room import SenderPlan
 from pdwire.runtime.session.decode_session import DecodeSession

@@ -11,8 +11,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from pdwire.runtime.descriptors import DescriptorTable
-from pdwire.runtime.planner import prepare_peer, route_decode_rank
 
 from pdwire.demo.content import (
     RoomSlots,
@@ -25,6 +23,8 @@ from pdwire.demo.content import (
     verify,
 )
 from pdwire.demo.model import Capacity, ModelSpec, RankCaches, build_caches, bytes_needed
+from pdwire.runtime.descriptors import DescriptorTable
+from pdwire.runtime.planner import prepare_peer, route_decode_rank
 
 SPEC = ModelSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)
 CAP = Capacity(pages=24, slots=4, swa_pages=8, aux_items=4)

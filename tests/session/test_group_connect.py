@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session.decode_connection import Expected
 from pdwire.runtime.session.failures import FailureKind

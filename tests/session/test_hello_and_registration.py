@@ -6,6 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
+from pdwire import wire
+from pdwire.demo.model import Capacity, ModelSpec, build_caches, bytes_needed
 from pdwire.runtime.config import ParallelRank
 from pdwire.runtime.planner import Indexing, StateKind, prepare_peer
 from pdwire.runtime.session.failures import (
@@ -18,9 +21,6 @@ from pdwire.runtime.session.failures import (
 )
 from pdwire.runtime.session.hello import Identity, check_hello
 from pdwire.runtime.session.registration import register_info, remote_memory
-
-from pdwire import wire
-from pdwire.demo.model import Capacity, ModelSpec, build_caches, bytes_needed
 
 CAP = Capacity(pages=8, slots=3, swa_pages=4, aux_items=2)
 SMALL = ModelSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, conv_blocks=(8, 8, 16), ssm_heads=4)

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from pdwire.runtime.session.events import AddPeer, Send
-from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillConnState
 
 from pdwire import wire
+from pdwire.runtime.session.events import AddPeer, Send
+from pdwire.runtime.session.prefill_connection import PrefillConnection, PrefillConnState
 from tests.session.test_connections import (
     _REFERENCE,
     PREFILL_INPUTS,

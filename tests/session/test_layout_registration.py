@@ -10,6 +10,8 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 import pytest
+
+from pdwire import wire
 from pdwire.runtime.planner import (
     AuxBuffer,
     Indexing,
@@ -31,8 +33,6 @@ from pdwire.runtime.session.registration import (
     register_info,
     remote_memory,
 )
-
-from pdwire import wire
 
 V13 = (1, 3)
 PAGE, HEADS, HEAD_BYTES, LAYERS = 4, 4, 8, 2

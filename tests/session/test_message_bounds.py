@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from pdwire import wire
 from pdwire.runtime.planner import PlanError
 from pdwire.runtime.session.message_bounds import (
     PROBE_ITEMS,
@@ -23,8 +25,6 @@ from pdwire.runtime.session.message_bounds import (
     index_list_bounds,
     request_limit,
 )
-
-from pdwire import wire
 from pdwire.wirecore.envelope.header import parse_header
 from tests.session.test_connections import VERSIONS, decode_local, handshake, prefill_local, registered
 

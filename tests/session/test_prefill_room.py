@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdwire.runtime.session.actions import (
     Action,
     AuxPart,

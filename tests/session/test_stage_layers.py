@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdwire.runtime.session.decode_connection import Expected
 from pdwire.runtime.session.group_connect import (
     GroupConnect,

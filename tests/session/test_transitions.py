@@ -23,6 +23,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+from pdwire import wire
 from pdwire.runtime.indices import RequestIndices
 from pdwire.runtime.session import states as S
 from pdwire.runtime.session.actions import PeerRef, PostTransfer
@@ -37,8 +39,6 @@ from pdwire.runtime.session.prefill_room import PrefillRoom
 from pdwire.runtime.session.prefill_session import PrefillSession
 from pdwire.runtime.session.status import Status
 from pdwire.wire import NotificationKind
-
-from pdwire import wire
 from tests.session.test_connections import decode_local, prefill_local
 from tests.session.test_prefill_room import target
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import pdwire.wire as pw
 import pytest
-from pdwire.wire import sglang
 
+import pdwire.wire as pw
 from pdwire.cli import main
 from pdwire.protocols.sglang import convert as cv
+from pdwire.wire import sglang
 from pdwire.wirecore.positional.errors import ConversionError
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "golden" / "sglang" / "frames.json").read_text("utf-8"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from pdwire.wire import sglang
 
+from pdwire.wire import sglang
 from pdwire.wirecore.errors import DecodeError, EncodeError
 from pdwire.wirecore.positional.errors import UnrecognisedMessage
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import pdwire.runtime.engine as pd
 import pytest
 
+import pdwire.runtime.engine as pd
 from pdwire.integrations.sglang.memory import (
     DECODE_KV_HEADS,
     POOL_LAYERS,

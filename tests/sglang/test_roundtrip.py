@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdwire.wire import sglang
 from pdwire.wire.sglang.strategies import STRATEGIES
-
 from pdwire.wirecore.errors import WireError
 from pdwire.wirecore.positional.errors import ProfileFrameCountError
 

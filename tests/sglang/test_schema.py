@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pdwire.codegen.diff import diff_protocols
 from pdwire.codegen.errors import SchemaError
 from pdwire.codegen.loader import load_text

@@ -16,12 +16,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from hypothesis import given, settings
+
 from pdwire.runtime.descriptors import DescriptorTable, Region
 from pdwire.runtime.planner import PeerPlan, PlanGroup, RankMemory
 from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 from pdwire.runtime.staging import Mode, both, gather, scatter, scatter_write
 from pdwire.runtime.staging.receive import ScatterPlanner, stand_in_source
-
 from tests.planner import world as oracle
 from tests.planner.strategies import hybrid_worlds, kv_worlds, laid_out_kv_worlds, state_worlds
 

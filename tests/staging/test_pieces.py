@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdwire.runtime.descriptors import DescriptorTable, MemoryKind, Region
 from pdwire.runtime.staging import (
     CopyError,

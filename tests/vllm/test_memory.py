@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from pdwire.runtime.planner import has_tp_sharded_state, prepare_peer, regions, route_decode_rank
-from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 
 from pdwire.integrations.vllm.memory import (
     AttentionGroup,
@@ -29,6 +27,8 @@ from pdwire.integrations.vllm.memory import (
     MambaGroup,
     describe,
 )
+from pdwire.runtime.planner import has_tp_sharded_state, prepare_peer, regions, route_decode_rank
+from pdwire.runtime.planner.reference_executor import AddressSpace, execute
 
 F32 = 4
 BLOCKS, N, C, H = 6, 4, 8, 2  # blocks, tokens per block, head size, total KV heads

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from pdwire.codegen.gitrev import export, git, repo_root
 from pdwire.codegen.loader import load_texts
 from pdwire.codegen.model import Protocol

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdwire.wire import sglang
 
 from pdwire import wire
 from pdwire.cli import main
+from pdwire.wire import sglang
 
 ABORT = wire.Abort(room=5, sender="tcp://d:1", reason="r")
 GOLDEN = json.loads((Path(__file__).parents[1] / "golden" / "sglang" / "frames.json").read_text("utf-8"))

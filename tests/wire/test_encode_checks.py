@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pdwire.wire as w
 import pytest
+
+import pdwire.wire as w
 
 
 def _status(**kw: Any) -> w.TransferStatus:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from pdwire.codegen.diff import ID_LIFETIME, DiffResult, diff_protocols
 from pdwire.codegen.errors import SchemaError
 from pdwire.codegen.loader import load_text

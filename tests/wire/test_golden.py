@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pdwire.wire as w
 import pytest
 
+import pdwire.wire as w
 from tests.golden.freeze import to_json
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "pdwire"

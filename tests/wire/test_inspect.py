@@ -7,10 +7,10 @@ import struct
 from pathlib import Path
 
 import pytest
-from pdwire.runtime.session.registration import register_info
 
 from pdwire import wire
 from pdwire.cli import main
+from pdwire.runtime.session.registration import register_info
 from tests.session.memories import hybrid
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "golden" / "sglang" / "frames.json").read_text("utf-8"))

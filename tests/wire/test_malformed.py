@@ -9,12 +9,12 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import pdwire.wire as w
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdwire.wire import strategies as S
 
+import pdwire.wire as w
+from pdwire.wire import strategies as S
 from pdwire.wirecore.envelope.header import MAGIC, pack_header
 
 

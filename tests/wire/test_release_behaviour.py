@@ -18,15 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pdwire.wire as w
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import pdwire.wire as w
 from pdwire.codegen.model import format_version
 from pdwire.wire import sglang
 from pdwire.wire import strategies as S
 from pdwire.wire.sglang.strategies import STRATEGIES as SG
-
 from tests.wire.release_build import (
     RELEASES,
     REPO,

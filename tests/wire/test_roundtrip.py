@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pdwire.wire as w
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import pdwire.wire as w
 from pdwire.wire import strategies as S
 
 CASES = [(v, name) for v, table in S.STRATEGIES.items() for name in table]

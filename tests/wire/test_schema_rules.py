@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdwire.codegen.diff import diff_protocols
 from pdwire.codegen.errors import SchemaError
 from pdwire.codegen.loader import load_text

@@ -10,13 +10,13 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import pdwire.wire as w
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import pdwire.wire as w
 from pdwire.codegen.loader import load_file
 from pdwire.wire import strategies as S
-
 from pdwire.wirecore.envelope.header import MAGIC, pack_header
 
 SCHEMA = load_file(Path(__file__).resolve().parents[2] / "schema" / "pdwire.yaml")

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdwire.runtime import engine as pd
 
 

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import zmq
+
 from pdwire.runtime.workers import backoff
 from pdwire.runtime.workers.backoff import PollBackoff
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from pdwire.runtime.engine import ConfigError, DecodeConfig, ParallelRank, PrefillConfig
-from pdwire.runtime.session.hello import geometry_of, rank_of
 
 from pdwire import wire
+from pdwire.runtime.engine import ConfigError, DecodeConfig, ParallelRank, PrefillConfig
+from pdwire.runtime.session.hello import geometry_of, rank_of
 
 MODEL = wire.ModelFingerprint(model_name="m", revision="r", dtype="bf16", num_layers=2)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdwire.runtime.engine import RESERVED_ROOM, IndicesError, RequestIndices, room_for_request
 
 

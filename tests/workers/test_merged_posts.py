@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 import pytest
+
 from pdwire.runtime import engine as pd
 from pdwire.runtime.backends.nixl import NixlBackend
-
 from tests.workers.test_staging_worker import LAYERS, MODEL, POOL, pump, rank
 
 PAGES = 24

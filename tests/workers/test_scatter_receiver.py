@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from pdwire.runtime import engine as pd
 from pdwire.runtime.planner import HeadGeometry, Layout
 from pdwire.runtime.session.actions import PeerRef
 from pdwire.runtime.workers.scatter import ScatterReceiver, ScatterRefused
-
 from tests.workers import nhd_ranks
 
 SHAPE = nhd_ranks.Shape(layers=2, heads=4, head_bytes=32, page=8, pool=16)

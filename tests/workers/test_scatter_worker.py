@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from pdwire.runtime import engine as pd
-from pdwire.runtime.session.events import Completed
 
 from pdwire import wire
+from pdwire.runtime import engine as pd
+from pdwire.runtime.session.events import Completed
 from tests.workers import nhd_ranks
 from tests.workers.nhd_ranks import Rank
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from pdwire.runtime import engine as pd
 
+from pdwire.runtime import engine as pd
 from tests.workers import nhd_ranks
 from tests.workers.nhd_ranks import Rank
 

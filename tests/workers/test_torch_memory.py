@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+
 from pdwire.runtime import torch_memory as tm
 from pdwire.runtime.engine import (
     ConfigError,
