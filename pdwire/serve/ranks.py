@@ -75,11 +75,11 @@ class RankServer(ABC, Generic[R]):
     def __init__(self, cfg: ServeConfig, discovery: Discovery, tp_ranks: Iterable[int]) -> None:
         self.cfg = cfg
         self.discovery = discovery
-        self.memory_model = open_memory(cfg)
         self.ranks: list[R] = []
         self._stop = threading.Event()
         self._exit_status = 0
-        try:
+        try:  # a subclass may hold sockets already: a bad memory model closes them too
+            self.memory_model = open_memory(cfg)
             for r in tp_ranks:
                 self.ranks.append(self._start_rank(r))
         except BaseException:

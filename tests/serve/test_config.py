@@ -97,3 +97,20 @@ def test_room_ids_carry_the_prompt_length() -> None:
         room_id(1, 0)
     with pytest.raises(ValueError):
         room_id(1, 1 << 16)
+
+
+def test_a_decode_server_refused_at_start_up_leaves_no_admin_socket(tmp_path: Path) -> None:
+    """The admin socket is bound before the memory model opens: a model serve does not know
+    closes it again (and its file goes), so a retry with the same path starts clean."""
+    from pdwire.discovery import StaticDiscovery
+    from pdwire.serve.decode import DecodeServer
+
+    admin = tmp_path / "decode.sock"
+    cfg = build_config(
+        "decode",
+        file={"engine_id": "d", "admin": str(admin), "memory": {"model": "llama"}},
+        environ={},
+    )
+    with pytest.raises(ValueError, match=r"memory\.model 'llama'"):
+        DecodeServer(cfg, StaticDiscovery())
+    assert not admin.exists()

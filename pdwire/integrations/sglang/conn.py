@@ -211,6 +211,10 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             dtype=str(self.kv_cache_dtype_str),
             num_layers=0,  # PP stages hold different layers; the name, revision and dtype identify the model
         )
+        if "PDWIRE_SGLANG_ENGINE" in os.environ:  # the old name: ignoring it would pick another backend
+            raise ValueError(
+                "pdwire: PDWIRE_SGLANG_ENGINE is now PDWIRE_SGLANG_BACKEND (nixl, mooncake, local): rename it"
+            )
         self.backend_name = os.environ.get("PDWIRE_SGLANG_BACKEND") or None
         self._lock = threading.Lock()
         # prefill: room -> status, refreshed by the driver; decode: room -> (status, failure)

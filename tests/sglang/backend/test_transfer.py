@@ -281,6 +281,14 @@ def test_prefill_pipeline_stages_feed_one_decode_rank(sglang: Any, model: h.Mode
         pair.close()
 
 
+def test_the_backend_variables_old_name_is_refused(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDWIRE_SGLANG_ENGINE was renamed PDWIRE_SGLANG_BACKEND: a rank that still sets it would
+    silently get the default backend, so the manager refuses at init, naming the new variable."""
+    monkeypatch.setenv("PDWIRE_SGLANG_ENGINE", "local")
+    with pytest.raises(ValueError, match="PDWIRE_SGLANG_ENGINE is now PDWIRE_SGLANG_BACKEND"):
+        h.make_rank("decode", 1, 0, h.free_port(), h.free_port(), h.SWA_HYBRID)
+
+
 def test_a_pipeline_stage_whose_layers_are_unknown_is_refused_by_name(
     sglang: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
