@@ -39,11 +39,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import pdwire.runtime.engine as pd
 from pdwire.integrations.vllm import params as tp
-from pdwire.integrations.vllm.memory import AttentionGroup, Described, MambaGroup, describe_vllm, vllm_groups
+from pdwire.integrations.vllm.memory import (
+    AttentionGroup,
+    Described,
+    MambaGroup,
+    MlaGroup,
+    describe_vllm,
+    vllm_groups,
+)
+from pdwire.integrations.vllm.stats import REFUSED, IntervalCounts, PdwireKVConnectorStats, PdwirePromMetrics
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -168,7 +177,7 @@ class _Groups:
         self.state: list[int] = []
         self.block_size = vllm_config.cache_config.block_size
         for i, g in enumerate(groups):
-            if isinstance(g, AttentionGroup) and self.kv is None:
+            if isinstance(g, AttentionGroup | MlaGroup) and self.kv is None:
                 self.kv, self.block_size = i, g.block_size
             elif isinstance(g, MambaGroup):
                 self.state.append(i)
@@ -400,6 +409,7 @@ class _Worker:
         self._aborted: set[int] = set()
         self._reported: dict[str, None] = {}  # requests reported received, oldest first
         self._prefills: dict[tuple[str, tuple[str, ...]], pd.PrefillGroup] = {}
+        self.counts = IntervalCounts()  # for vLLM's connector stats; any thread
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.described = describe_vllm(self.vllm_config, self.kv_cache_config, kv_caches, self.tp_rank)
@@ -499,6 +509,7 @@ class _Worker:
                 "PdwireConnector: request %s (room %d) cannot be sent: %s", s.request_id, s.room, exc
             )
             self._room_req.pop(s.room, None)
+            self.counts.failed(s.room, REFUSED)
             with self._lock:
                 self._sent.add(s.request_id)
 
@@ -506,6 +517,7 @@ class _Worker:
         rid = self._room_req.pop(room, None)
         if rid is None:
             return
+        self._count_released(room, status, failure)  # before the request is reported sent
         if failure is not None:
             logger.warning("PdwireConnector: prefill of request %s (room %d) failed: %s", rid, room, failure)
         with self._lock:
@@ -538,9 +550,11 @@ class _Worker:
                 type(exc).__name__,
                 exc,
             )
+            self.counts.failed(r.room, REFUSED)
             self._report(r.request_id, failed=True)
             return
         self._room_recv[r.room] = r
+        self.counts.started(r.room)
 
     def _abort(self, rid: str) -> None:
         """The request is gone: stop its room; it is reported received (which frees its blocks)
@@ -569,6 +583,7 @@ class _Worker:
         r = self._room_recv.get(room)
         if r is None:
             return
+        self._count_finished(room, r, status, failure)
         if room in self._aborted:
             self._failed_rooms[room] = failure  # reported as sent once the slots are fenced
             return
@@ -586,8 +601,39 @@ class _Worker:
         r = self._room_recv.pop(room, None)
         if r is None:
             return
+        self.counts.released(_blocks(r))
         self._aborted.discard(room)
         self._report(r.request_id, failed=True)  # only now: no write of this room is in flight
+
+    # -------- connector stats (see stats.py)
+
+    def connector_stats(self) -> PdwireKVConnectorStats | None:
+        """The stats since the last call (engine thread): the rooms the callbacks counted, and
+        the worker's counters read as one dict copy (atomic under the GIL; no worker-thread call)."""
+        worker = self.worker
+        return None if worker is None else self.counts.take(dict(vars(worker.stats)))
+
+    def _count_released(self, room: int, status: pd.Status, failure: pd.Failure | None) -> None:
+        if status != pd.Status.SUCCESS:
+            self.counts.failed(room, _failure_kind(failure))
+            return
+        span = self.worker.spans.get(room) if isinstance(self.worker, pd.PrefillWorker) else None
+        self.counts.done(room, seconds=None if span is None else span[1] - span[0])
+
+    def _count_finished(self, room: int, r: RecvReq, status: pd.Status, failure: pd.Failure | None) -> None:
+        if status == pd.Status.SUCCESS and room not in self._aborted:
+            self.counts.done(room, blocks=_blocks(r))
+        else:  # its blocks are held until the writers fence (_on_slots_released)
+            self.counts.failed(room, _failure_kind(failure), quarantined_blocks=_blocks(r))
+
+
+def _blocks(r: RecvReq) -> int:
+    """The KV pages and state slots a decode room writes."""
+    return len(r.kv_pages) + sum(len(s) for s in r.state)
+
+
+def _failure_kind(failure: pd.Failure | None) -> str:
+    return "unspecified" if failure is None else failure.kind.name.lower()
 
 
 def memory_summary(d: Described) -> str:
@@ -740,3 +786,22 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # -------- vLLM's connector stats and Prometheus series (stats.py, docs/vllm.md "Metrics")
+
+    def get_kv_connector_stats(self) -> PdwireKVConnectorStats | None:
+        return None if self._worker is None else self._worker.connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdwireKVConnectorStats:
+        return PdwireKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdwirePromMetrics:
+        return PdwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
