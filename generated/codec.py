@@ -20,10 +20,10 @@ _wc.require(9, __name__)
 
 PROTOCOL = "pdwire"
 PROTOCOL_ID = 1
-VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4))
+VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5))
 """Every version this build reads and writes, oldest first."""
 NEWEST = VERSIONS[-1]
-SUPPORTED: tuple[tuple[int, int], ...] = ((1, 4),)
+SUPPORTED: tuple[tuple[int, int], ...] = ((1, 5),)
 """Highest minor per major, as a Hello advertises it."""
 
 REGISTRY = _env.Registry(

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from pdwire.wirecore.types import Version
 
-VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4))
+VERSIONS: Final[tuple[Version, ...]] = ((1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5))
 
 # message -> the version it appeared in
 MESSAGES: Final[dict[str, Version]] = {
@@ -70,6 +70,8 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("HeadSharding", "kv_heads_per_rank"): (1, 2),
     ("HeadSharding", "kv_heads_total"): (1, 2),
     ("HeadSharding", "bytes_per_head"): (1, 2),
+    ("HeadSharding", "head_stride"): (1, 5),
+    ("HeadSharding", "token_stride"): (1, 5),
     ("StateTensorLayout", "slot_stride"): (1, 4),
     ("StateTensorLayout", "offset"): (1, 4),
     ("StateTensorLayout", "outer_rows"): (1, 4),
@@ -123,6 +125,7 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterInfo", "scatter_base"): (1, 4),
     ("RegisterInfo", "scatter_len"): (1, 4),
     ("RegisterInfo", "scatter_mem_descs"): (1, 4),
+    ("RegisterInfo", "kv_token_stride"): (1, 5),
     ("TransferRequest", "room"): (1, 0),
     ("TransferRequest", "sender"): (1, 0),
     ("TransferRequest", "dst_kv_indices"): (1, 0),

@@ -116,6 +116,9 @@ def _v1_HeadSharding(v: int) -> st.SearchStrategy[v1.HeadSharding]:
         fields["kv_heads_per_rank"] = st.integers(0, 4294967295)
         fields["kv_heads_total"] = st.integers(0, 4294967295)
         fields["bytes_per_head"] = st.integers(0, 4294967295)
+    if v >= 5:
+        fields["head_stride"] = st.integers(0, 18446744073709551615)
+        fields["token_stride"] = st.integers(0, 18446744073709551615)
     return st.builds(v1.HeadSharding, **fields)
 
 
@@ -187,6 +190,8 @@ def _v1_RegisterInfo(v: int) -> st.SearchStrategy[v1.RegisterInfo]:
         fields["scatter_base"] = st.integers(0, 18446744073709551615)
         fields["scatter_len"] = st.integers(0, 18446744073709551615)
         fields["scatter_mem_descs"] = st.lists(_blob, max_size=4)
+    if v >= 5:
+        fields["kv_token_stride"] = st.integers(0, 18446744073709551615)
     return st.builds(v1.RegisterInfo, **fields)
 
 
@@ -314,5 +319,15 @@ STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]
         "Abort": lambda: _v1_Abort(4),
         "AbortAck": lambda: _v1_AbortAck(4),
         "RegisterAck": lambda: _v1_RegisterAck(4),
+    },
+    (1, 5): {
+        "Hello": lambda: _v1_Hello(5),
+        "RegisterInfo": lambda: _v1_RegisterInfo(5),
+        "TransferRequest": lambda: _v1_TransferRequest(5),
+        "TransferStatus": lambda: _v1_TransferStatus(5),
+        "Notification": lambda: _v1_Notification(5),
+        "Abort": lambda: _v1_Abort(5),
+        "AbortAck": lambda: _v1_AbortAck(5),
+        "RegisterAck": lambda: _v1_RegisterAck(5),
     },
 }

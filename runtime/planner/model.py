@@ -93,11 +93,17 @@ class KvPool:
     per block (vLLM's ``[blocks, 2, block_size, heads, head_size]``) is ``k_base_addrs ==
     v_base_addrs``, ``page_stride = 2 * bytes_per_page``, ``v_offset = bytes_per_page``.
 
-    ``head_stride`` (HND only) is the distance from one head's K (or V) page to the next head's
-    inside a page stride (None: ``page_size * bytes_per_head``, heads packed). vLLM's CPU attention
-    ``[blocks, heads, block_size * 2, head_size]`` holds per head its K and then its V:
-    ``head_stride = 2 * page_size * bytes_per_head``, ``v_offset = page_size * bytes_per_head``,
-    ``page_stride = kv_heads_per_rank * head_stride``; a head slice is then one segment per head.
+    Inside a page, token ``t`` of head ``h`` (``bytes_per_head`` bytes of K, and again of V) is at
+    ``h * head_stride + t * token_stride`` from K's (or V's) offset. The layout says which axis is
+    outer and gives the defaults (packed): HND ``token_stride = bytes_per_head``, ``head_stride =
+    page_size * token_stride``; NHD ``head_stride = bytes_per_head``, ``token_stride =
+    kv_heads_per_rank * head_stride``. Wider strides leave room for other bytes (V) in between:
+    vLLM's CPU attention ``[blocks, heads, block_size * 2, head_size]`` holds per head its K and
+    then its V (HND, ``head_stride = 2 * page_size * bytes_per_head``, ``v_offset = page_size *
+    bytes_per_head``); vLLM's GPU backends keep K and V side by side per token and head
+    (``[blocks, heads, block_size, 2 * head_size]`` in LBHNC or LBNHC order: ``v_offset =
+    bytes_per_head``, the strides of that view). A head slice is one segment per run of units
+    contiguous on both sides (``patterns.head_slice``).
     """
 
     k_base_addrs: tuple[int, ...]
@@ -116,6 +122,7 @@ class KvPool:
     k_offset: int = 0
     v_offset: int = 0
     head_stride: int | None = None
+    token_stride: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -130,7 +137,7 @@ class KvPool:
         """The pool's head sharding (what a head slice of another TP size is cut from)."""
         return HeadGeometry(
             self.page_size, self.layout, self.kv_heads_per_rank, self.total_kv_heads, self.bytes_per_head,
-            self.head_stride,
+            self.head_stride, self.token_stride,
         )  # fmt: skip
 
     @property
@@ -139,27 +146,30 @@ class KvPool:
         return self.page_size * self.bytes_per_head
 
     @property
+    def packed(self) -> bool:
+        """K (and V) of a page are ``bytes_per_page`` contiguous bytes (no other bytes between)."""
+        return self.is_mla or self.heads.packed
+
+    @property
     def page_extent(self) -> int:
-        """Bytes from the first to the last byte of K (or V) in one page: ``bytes_per_page`` for
-        packed heads, more with a head stride (other bytes, e.g. V, lie between the heads)."""
-        if self.head_stride is None or self.is_mla:
-            return self.bytes_per_page
-        return (self.kv_heads_per_rank - 1) * self.head_stride + self.head_span
+        """Bytes from the first to the last byte of K (or V) in one page: ``bytes_per_page`` when
+        packed, more with wider strides (other bytes, e.g. V, lie between the units)."""
+        return self.bytes_per_page if self.packed else self.heads.item_extent
 
     def head_windows(self, offset: int) -> tuple[tuple[int, int], ...]:
-        """``(start, length)`` inside a page stride of every head's part of K or V at ``offset``:
-        one window for packed heads."""
-        if self.head_stride is None or self.is_mla:
+        """``(start, length)`` inside a page stride of every contiguous run of K or V at ``offset``:
+        one window when packed."""
+        if self.packed:
             return ((offset, self.bytes_per_page),)
-        return tuple((offset + h * self.head_stride, self.head_span) for h in range(self.kv_heads_per_rank))
+        return tuple((offset + start, length) for start, length in self.heads.runs())
 
 
 @dataclass(frozen=True, slots=True)
 class HeadGeometry:
     """Head sharding of a paged component laid out like KV (non-MLA SWA K and V).
 
-    ``head_stride`` (HND only): bytes from one head's part of a page to the next head's; None:
-    ``page_size * bytes_per_head`` (heads packed)."""
+    ``head_stride`` / ``token_stride``: where token ``t`` of head ``h`` starts inside a page,
+    ``h * head_stride + t * token_stride``; None: the layout's packed default (see ``KvPool``)."""
 
     page_size: int
     layout: Layout
@@ -167,14 +177,48 @@ class HeadGeometry:
     total_kv_heads: int
     bytes_per_head: int
     head_stride: int | None = None
+    token_stride: int | None = None
+
+    @property
+    def head_step(self) -> int:
+        if self.head_stride is not None:
+            return self.head_stride
+        return self.page_size * self.token_step if self.layout is Layout.HND else self.bytes_per_head
+
+    @property
+    def token_step(self) -> int:
+        if self.token_stride is not None:
+            return self.token_stride
+        return self.bytes_per_head if self.layout is Layout.HND else self.kv_heads_per_rank * self.head_step
+
+    @property
+    def packed(self) -> bool:
+        """The page's units are one contiguous run (units never overlap: validation checks it)."""
+        return self.item_extent == self.kv_heads_per_rank * self.page_size * self.bytes_per_head
 
     @property
     def item_extent(self) -> int:
         """Bytes from the first to the last byte of one page's heads."""
-        span = self.page_size * self.bytes_per_head
-        if self.head_stride is None:
-            return self.kv_heads_per_rank * span
-        return (self.kv_heads_per_rank - 1) * self.head_stride + span
+        return (
+            (self.kv_heads_per_rank - 1) * self.head_step
+            + (self.page_size - 1) * self.token_step
+            + self.bytes_per_head
+        )
+
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` of the contiguous runs of one page's units, in address order."""
+        starts = sorted(
+            h * self.head_step + t * self.token_step
+            for h in range(self.kv_heads_per_rank)
+            for t in range(self.page_size)
+        )
+        out: list[list[int]] = []
+        for start in starts:
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1][1] += self.bytes_per_head
+            else:
+                out.append([start, self.bytes_per_head])
+        return tuple((a, n) for a, n in out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdwire.runtime.descriptors import U64
-from pdwire.runtime.planner.model import HeadGeometry, Layout
+from pdwire.runtime.planner.model import HeadGeometry
 
 
 def coalesce(src: U64, dst: U64, length: U64) -> tuple[U64, U64, U64]:
@@ -63,13 +63,7 @@ def empty_pattern(src_item: int, dst_item: int) -> Pattern:
 
 
 def _head_offsets(geometry: HeadGeometry, tokens: U64, local_heads: U64) -> U64:
-    bytes_per_head = np.uint64(geometry.bytes_per_head)
-    if geometry.layout is Layout.NHD:
-        units = tokens * np.uint64(geometry.kv_heads_per_rank) + local_heads
-        return units * bytes_per_head
-    if geometry.head_stride is not None:
-        return local_heads * np.uint64(geometry.head_stride) + tokens * bytes_per_head
-    return (local_heads * np.uint64(geometry.page_size) + tokens) * bytes_per_head
+    return local_heads * np.uint64(geometry.head_step) + tokens * np.uint64(geometry.token_step)
 
 
 def head_slice(
@@ -82,9 +76,10 @@ def head_slice(
 ) -> Pattern:
     """Copy global heads ``[heads[0], heads[1])`` of every token of a page, each side in its layout.
 
-    Enumerates (token, head) units and coalesces, so NHD gives one segment per token (one per page
-    when the heads cover whole tokens on both sides) and HND one per page (one per head where a
-    side's heads are apart, ``head_stride``), without special cases.
+    Enumerates (token, head) units and coalesces, so packed NHD gives one segment per token (one
+    per page when the heads cover whole tokens on both sides) and packed HND one per page (one per
+    head where a side's heads are apart, one per unit where K and V sit side by side per token),
+    without special cases.
     """
     src_item, dst_item = src.item_extent, dst.item_extent
     lo, hi = heads

@@ -85,20 +85,28 @@ def check_head_geometry(side: str, component: str, geometry: HeadGeometry, tp_si
         )
 
 
-def _check_head_stride(side: str, kv: KvPool) -> None:
-    """A head stride places head-major pages (HND) apart: at least one head's page per stride."""
-    if kv.head_stride is None:
+def _check_unit_strides(side: str, kv: KvPool) -> None:
+    """Head and token strides place a page's (token, head) units apart, never on each other: the
+    inner axis (tokens in HND, heads in NHD) at least one unit apart, the outer one at least a
+    whole inner run apart."""
+    if kv.head_stride is None and kv.token_stride is None:
         return
-    if kv.layout is not Layout.HND:
+    g = kv.heads
+    hnd = kv.layout is Layout.HND
+    inner, outer = (g.token_step, g.head_step) if hnd else (g.head_step, g.token_step)
+    inner_name, outer_name = ("token", "head") if hnd else ("head", "token")
+    count = g.page_size if hnd else g.kv_heads_per_rank
+    if inner < g.bytes_per_head:
         raise GeometryMismatch(
-            f"{side}: a head stride needs head-major pages (HND), the layout is {kv.layout.value}",
+            f"{side}: {inner_name} stride {inner} is smaller than one unit "
+            f"(bytes_per_head = {g.bytes_per_head})",
             component="kv",
         )
-    if kv.head_stride < kv.head_span:
+    span = (count - 1) * inner + g.bytes_per_head
+    if outer < span:
+        what = "one head's page" if hnd else "one token's heads"
         raise GeometryMismatch(
-            f"{side}: head stride {kv.head_stride} is smaller than one head's page "
-            f"(page_size*bytes_per_head = {kv.head_span})",
-            component="kv",
+            f"{side}: {outer_name} stride {outer} is smaller than {what} ({span} bytes)", component="kv"
         )
 
 
@@ -115,15 +123,15 @@ def validate_memory(memory: RankMemory, side: str) -> None:
                 raise GeometryMismatch(
                     f"{side}: an MLA pool has one latent buffer per layer, no V", component="kv"
                 )
-            if kv.head_stride is not None:
-                raise GeometryMismatch(f"{side}: an MLA pool has no head stride", component="kv")
+            if kv.head_stride is not None or kv.token_stride is not None:
+                raise GeometryMismatch(f"{side}: an MLA pool has no head or token stride", component="kv")
         else:
             _check_buffers(side, "kv", "v", kv.v_base_addrs, kv.region_lens, kv.bytes_per_page)
             geometry = HeadGeometry(
                 kv.page_size, kv.layout, kv.kv_heads_per_rank, kv.total_kv_heads, kv.bytes_per_head
             )
             check_head_geometry(side, "kv", geometry, pos.tp_size, kv.bytes_per_page)
-            _check_head_stride(side, kv)
+            _check_unit_strides(side, kv)
         if kv.page_size < 1:
             raise GeometryMismatch(f"{side}: page_size must be >= 1", component="kv")
         _check_item_placement(side, "kv", "k", kv.page_extent, kv.stride, kv.k_offset)
@@ -133,9 +141,9 @@ def validate_memory(memory: RankMemory, side: str) -> None:
             halves.append(("v", kv.v_base_addrs, kv.v_offset))
         elif kv.v_offset:
             raise GeometryMismatch(f"{side}: an MLA pool has no V offset", component="kv")
-        # per head with a head stride: K and V of one page may interleave, never share a byte
+        # with wider strides K and V of one page may interleave, never share a byte
         members = [
-            (name if len(windows) == 1 else f"{name} head {h}", bases, kv.stride, start, length)
+            (name if len(windows) == 1 else f"{name} run {h}", bases, kv.stride, start, length)
             for name, bases, offset in halves
             for windows in (kv.head_windows(offset),)
             for h, (start, length) in enumerate(windows)

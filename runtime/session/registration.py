@@ -66,12 +66,15 @@ def _sharding(c: StatePool) -> wire.StateSharding:
 def _heads_to_wire(h: HeadGeometry | None) -> wire.HeadSharding | None:
     if h is None:
         return None
+    head_stride, token_stride = wire_unit_strides(h)
     return wire.HeadSharding(
         page_size=h.page_size,
         layout=_LAYOUT_TO_WIRE[h.layout],
         kv_heads_per_rank=h.kv_heads_per_rank,
         kv_heads_total=h.total_kv_heads,
         bytes_per_head=h.bytes_per_head,
+        head_stride=head_stride,
+        token_stride=token_stride,
     )
 
 
@@ -82,6 +85,8 @@ def heads_from_wire(h: wire.HeadSharding) -> HeadGeometry:
         h.kv_heads_per_rank,
         h.kv_heads_total,
         h.bytes_per_head,
+        int(h.head_stride) or None,
+        int(h.token_stride) or None,
     )
 
 
@@ -89,7 +94,11 @@ def kv_heads_to_wire(memory: RankMemory) -> wire.HeadSharding | None:
     """The head geometry of ``memory``'s KV pool (what a decode rank plans scatters with);
     None without a KV pool or for MLA."""
     kv = memory.kv
-    return None if kv is None or kv.is_mla else _heads_to_wire(kv.heads)
+    if kv is None or kv.is_mla:
+        return None
+    # which heads and tokens, not where they lie: decode places scattered bytes in its own order,
+    # so the prefill rank's strides stay home (and a 1.4 decode peer can take the answer)
+    return _heads_to_wire(replace(kv.heads, head_stride=None, token_stride=None))
 
 
 def _u64(values: list[int] | tuple[int, ...]) -> np.ndarray:
@@ -166,12 +175,24 @@ def _fmt(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
+def wire_unit_strides(h: HeadGeometry) -> tuple[int, int]:
+    """(head stride, token stride) as the wire carries them: 0 where a stride equals the layout's
+    packed default or changes no address (one head, one token), so a packed or single-head
+    geometry still travels to a peer that does not know the strides."""
+    packed = replace(h, head_stride=None, token_stride=None)
+    head = h.head_step if h.kv_heads_per_rank > 1 and h.head_step != packed.head_step else 0
+    token = h.token_step if h.page_size > 1 and h.token_step != packed.token_step else 0
+    return head, token
+
+
 def wire_head_stride(kv: KvPool) -> int:
-    """The head stride as ``RegisterInfo.kv_head_stride``: 0 where it changes no address (packed
-    heads, one head per rank, MLA), so such a registration still travels to a 1.4 peer."""
-    if kv.head_stride is None or kv.is_mla or kv.kv_heads_per_rank == 1 or kv.head_stride == kv.head_span:
-        return 0
-    return kv.head_stride
+    """``RegisterInfo.kv_head_stride`` (0 for MLA and packed heads)."""
+    return 0 if kv.is_mla else wire_unit_strides(kv.heads)[0]
+
+
+def wire_token_stride(kv: KvPool) -> int:
+    """``RegisterInfo.kv_token_stride`` (0 for MLA and packed tokens)."""
+    return 0 if kv.is_mla else wire_unit_strides(kv.heads)[1]
 
 
 def layout_needs(memory: RankMemory, *, own_layout: bool) -> list[tuple[tuple[int, int], str]]:
@@ -192,8 +213,13 @@ def layout_needs(memory: RankMemory, *, own_layout: bool) -> list[tuple[tuple[in
             since = features.field_since("RegisterInfo", "v_page_offset")
             out.append((since, f"K/V offsets {kv.k_offset}/{kv.v_offset} inside a page"))
         if wire_head_stride(kv):
-            since = features.field_since("RegisterInfo", "kv_head_stride")
+            # 1.4 knows a head stride between head-major pages only
+            field = "kv_head_stride" if kv.layout is Layout.HND else "kv_token_stride"
+            since = features.field_since("RegisterInfo", field)
             out.append((since, f"KV head stride {kv.head_stride} (one head's page is {kv.head_span} bytes)"))
+        if wire_token_stride(kv):
+            since = features.field_since("RegisterInfo", "kv_token_stride")
+            out.append((since, f"KV token stride {kv.token_stride} (one unit is {kv.bytes_per_head} bytes)"))
     for ci, c in enumerate(memory.state):
         where = f"state_components[{ci}] ({c.kind.value})"
         kind_since = features.enum_value_since("StateType", _KIND_TO_WIRE[c.kind].name.lower())
@@ -202,6 +228,9 @@ def layout_needs(memory: RankMemory, *, own_layout: bool) -> list[tuple[tuple[in
         index_since = features.enum_value_since("StateIndexing", _INDEXING_TO_WIRE[c.indexing].name.lower())
         if c.indexing is Indexing.ROW:
             out.append((index_since, f"{where}: row indexing"))
+        if own_layout and c.heads is not None and any(wire_unit_strides(c.heads)):
+            since = features.field_since("HeadSharding", "token_stride")
+            out.append((since, f"{where}: head and token strides {wire_unit_strides(c.heads)}"))
         for t in c.tensors:
             if own_layout and (t.stride != t.bytes_per_slot or t.offset):
                 out.append(
@@ -391,6 +420,7 @@ def register_info(
         k_page_offset=kv.k_offset,
         v_page_offset=kv.v_offset,
         kv_head_stride=wire_head_stride(kv),
+        kv_token_stride=wire_token_stride(kv),
         scatter_base=scatter[0],
         scatter_len=scatter[1],
         scatter_mem_descs=scatter_descs,
@@ -674,6 +704,7 @@ def remote_memory(info: wire.RegisterInfo, local: RankMemory) -> RankMemory:
         page_stride=int(info.kv_page_stride) or None,
         k_offset=int(info.k_page_offset), v_offset=int(info.v_page_offset),
         head_stride=int(info.kv_head_stride) or None,
+        token_stride=int(info.kv_token_stride) or None,
     )  # fmt: skip
     _check_kinds(local, "this rank's")
     if len(info.state_components) != len(local.state):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import settings
 from hypothesis import strategies as st
 
@@ -264,6 +266,21 @@ def head_interleaved_kv_worlds(draw: st.DrawFn) -> World:
     )
     fields = {f: getattr(world, f) for f in world.__dataclass_fields__}
     return World(**{**fields, "kv": kv, "src_side": layouts[0], "dst_side": layouts[1]})
+
+
+@st.composite
+def unit_interleaved_kv_worlds(draw: st.DrawFn) -> World:
+    """Heterogeneous-TP KV where either side keeps K and V side by side per token and head (vLLM's
+    GPU backends, LBHNC or LBNHC), the other any layout, each side HND or NHD."""
+    world = draw(kv_worlds(hetero=True))
+    assert world.kv is not None
+    sides = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
+    layouts = []
+    for per_unit in sides:
+        drawn = draw(side_layouts())
+        layouts.append(replace(drawn, kv_units_interleaved=per_unit, kv_heads_interleaved=False))
+    kv = replace(world.kv, src_layout=draw(st.sampled_from(Layout)), dst_layout=draw(st.sampled_from(Layout)))
+    return replace(world, kv=kv, src_side=layouts[0], dst_side=layouts[1])
 
 
 @st.composite

@@ -300,11 +300,15 @@ def test_a_head_stride_outside_the_model_is_refused_by_name() -> None:
     memory = _vllm_cpu(1, 0, 1 << 36)
     kv = memory.kv
     assert kv is not None
-    with pytest.raises(GeometryMismatch, match="head stride needs head-major pages"):
-        regions(replace(memory, kv=replace(kv, layout=Layout.NHD)))
+    with pytest.raises(GeometryMismatch, match="head stride 1 is smaller than one unit"):
+        regions(replace(memory, kv=replace(kv, layout=Layout.NHD, head_stride=1)))
+    with pytest.raises(GeometryMismatch, match="token stride 7 is smaller than one token's heads"):
+        regions(replace(memory, kv=replace(kv, layout=Layout.NHD, head_stride=CPU_HEAD, token_stride=7)))
     with pytest.raises(GeometryMismatch, match="smaller than one head's page"):
         regions(replace(memory, kv=replace(kv, head_stride=CPU_SPAN - 1)))
-    with pytest.raises(GeometryMismatch, match="v head 0 and k head 1 overlap"):  # V spills into K
+    with pytest.raises(GeometryMismatch, match="token stride 1 is smaller than one unit"):
+        regions(replace(memory, kv=replace(kv, token_stride=1)))
+    with pytest.raises(GeometryMismatch, match="v run 0 and k run 1 overlap"):  # V spills into K
         regions(replace(memory, kv=replace(kv, v_offset=CPU_SPAN + 1, page_stride=kv.stride + 8)))
     with pytest.raises(GeometryMismatch, match="does not fit a stride"):
         regions(replace(memory, kv=replace(kv, page_stride=kv.stride - 1)))

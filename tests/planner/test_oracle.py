@@ -16,6 +16,7 @@ from tests.planner.strategies import (
     laid_out_state_worlds,
     pp_worlds,
     state_worlds,
+    unit_interleaved_kv_worlds,
 )
 from tests.planner.world import World, run_world
 
@@ -65,6 +66,12 @@ def test_kv_in_strided_and_interleaved_pages(world: World) -> None:
 @ORACLE
 @given(head_interleaved_kv_worlds())
 def test_kv_heads_apart_in_a_page_head_stride(world: World) -> None:
+    run_world(world)
+
+
+@ORACLE
+@given(unit_interleaved_kv_worlds())
+def test_kv_side_by_side_per_token_and_head_in_either_block_layout(world: World) -> None:
     run_world(world)
 
 

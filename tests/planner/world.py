@@ -89,6 +89,9 @@ class SideLayout:
     # kv_head_pad bytes (vLLM CPU's [blocks, heads, 2 * block_size, head_size]); needs HND
     kv_heads_interleaved: bool = False
     kv_head_pad: int = 0
+    # K and V of a layer in one buffer side by side per token and head (vLLM's GPU backends:
+    # [blocks, heads, block_size, 2 * head_size] in LBHNC order for HND, LBNHC for NHD)
+    kv_units_interleaved: bool = False
     state_shared: bool = False  # a component's tensors share one slot per layer, at offsets
     state_pad: int = 0
     alias_state: bool = False  # state component 0 lives in the KV layers' buffers (needs state_shared)
@@ -158,8 +161,9 @@ class Rank:
     memory: RankMemory
     space: AddressSpace
     views: dict[Key, tuple[int, int]] = field(default_factory=dict)  # key -> (address of item 0, stride)
-    # key -> (head stride, bytes per head page): the item's heads lie apart, written head by head
-    head_places: dict[Key, tuple[int, int]] = field(default_factory=dict)
+    # key -> (head stride, token stride, bytes per unit, layout): the item's (token, head) units
+    # lie apart, written unit by unit
+    unit_places: dict[Key, tuple[int, int, int, Layout]] = field(default_factory=dict)
 
 
 class Allocator:
@@ -244,14 +248,22 @@ def build_rank(world: World, side: str, tp_rank: int, pp_rank: int, full: FullDa
         item = _kv_item(spec, tp)
         names = ("latent",) if spec.is_mla else ("k", "v")
         per_head = layout.kv_heads_interleaved and not spec.is_mla
-        interleaved = (layout.kv_interleaved or per_head) and not spec.is_mla
+        per_unit = layout.kv_units_interleaved and not per_head and not spec.is_mla
+        interleaved = (layout.kv_interleaved or per_head or per_unit) and not spec.is_mla
         heads = 1 if spec.is_mla else max(1, spec.total_heads // tp)
         kv_layout = spec.src_layout if side == "prefill" else spec.dst_layout
         span = spec.page_size * spec.bytes_per_head  # one head's part of a K (or V) page
-        head_stride = 2 * span + layout.kv_head_pad if per_head else None
-        assert not per_head or kv_layout is Layout.HND, "heads apart need head-major pages"
-        used = heads * head_stride if head_stride is not None else item * (2 if interleaved else 1)
-        v_at = span if per_head else item  # where V starts in the page stride
+        unit = spec.bytes_per_head
+        head_stride = token_stride = None
+        if per_head:
+            assert kv_layout is Layout.HND, "heads apart need head-major pages"
+            head_stride, token_stride = 2 * span + layout.kv_head_pad, unit
+        elif per_unit and kv_layout is Layout.HND:
+            head_stride, token_stride = 2 * span, 2 * unit
+        elif per_unit:
+            head_stride, token_stride = 2 * unit, heads * 2 * unit
+        used = heads * head_stride if per_head else item * (2 if interleaved else 1)
+        v_at = span if per_head else unit if per_unit else item  # where V starts in the page stride
         stride = max(used, alias_slot) + layout.kv_pad
         pages = state_pool(world, 0) if alias else world.kv_pool_pages
         length = stride * pages
@@ -265,8 +277,8 @@ def build_rank(world: World, side: str, tp_rank: int, pp_rank: int, full: FullDa
                     addr = alloc.take(length)
                     rank.views[("kv", name, layer)] = (addr, stride)
                     kv_buffers.setdefault(layer, (addr, length))
-                if head_stride is not None:
-                    rank.head_places[("kv", name, layer)] = (head_stride, span)
+                if head_stride is not None and token_stride is not None:
+                    rank.unit_places[("kv", name, layer)] = (head_stride, token_stride, unit, kv_layout)
                 addrs[name].append(addr)
         kv_pool = KvPool(
             tuple(addrs[names[0]]),
@@ -282,6 +294,7 @@ def build_rank(world: World, side: str, tp_rank: int, pp_rank: int, full: FullDa
             page_stride=stride,
             v_offset=v_at if interleaved else 0,
             head_stride=head_stride,
+            token_stride=token_stride if per_unit else None,
         )
     components = []
     for ci, comp in enumerate(world.components):
@@ -429,10 +442,19 @@ def _write_items(world: World, rank: Rank, full: FullData, side: str, target: Ad
     for key, (start, stride) in rank.views.items():
         for position, index in enumerate(_indices(world, key, side, not_aux_stage and side == "decode")):
             data = shard(world, key, full.items[key][position], tp, tp_rank, side)
-            if key in rank.head_places:  # HND page bytes, each head's part at its own place
-                head_stride, span = rank.head_places[key]
-                for h, part in enumerate(data.reshape(-1, span)):
-                    target.view(start + index * stride + h * head_stride, span)[:] = part
+            if key in rank.unit_places:  # page bytes in the layout's order, each unit at its place
+                head_stride, token_stride, unit, kv_layout = rank.unit_places[key]
+                page = start + index * stride
+                tokens = world.kv.page_size if world.kv is not None else 0
+                rows = (
+                    data.reshape(-1, tokens, unit)
+                    if kv_layout is Layout.HND
+                    else data.reshape(tokens, -1, unit)
+                )
+                for outer, row in enumerate(rows):
+                    for inner, part in enumerate(row):
+                        h, t = (outer, inner) if kv_layout is Layout.HND else (inner, outer)
+                        target.view(page + h * head_stride + t * token_stride, unit)[:] = part
             else:
                 target.view(start + index * stride, len(data))[:] = data
 

@@ -226,6 +226,33 @@ def test_1_4_registration_carries_the_head_stride_and_a_1_3_peer_is_refused_by_n
     assert replace(got, kv=replace(got.kv, head_stride=64)) == one  # type: ignore[arg-type]
 
 
+def _side_by_side(tp: int, rank: int, base: int, layout: Layout) -> RankMemory:
+    """vLLM's GPU backends: per block, K and V of each token and head side by side (4 heads of 8
+    bytes, 4 tokens), heads outer in LBHNC (HND), tokens outer in LBNHC (NHD)."""
+    heads, unit, tokens, blocks = 4 // tp, 8, 4, 6
+    head_stride, token_stride = (
+        (tokens * 2 * unit, 2 * unit) if layout is Layout.HND else (2 * unit, heads * 2 * unit)
+    )
+    kv = KvPool(
+        (base,), (base,), (blocks * heads * tokens * 2 * unit,), heads * tokens * unit, tokens, layout,
+        heads, 4, unit, page_stride=heads * tokens * 2 * unit, v_offset=unit,
+        head_stride=head_stride, token_stride=token_stride,
+    )  # fmt: skip
+    return RankMemory(ParallelRank(tp, rank), kv)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_1_5_registration_carries_both_unit_strides_and_a_1_4_peer_is_refused_by_name(layout: Layout) -> None:
+    decode = _side_by_side(1, 0, 1 << 44, layout)
+    sent = roundtrip(info_of(decode))
+    assert isinstance(sent, wire.RegisterInfo) and sent.kv_token_stride == decode.kv.token_stride  # type: ignore[union-attr]
+    assert remote_memory(sent, _side_by_side(2, 0, 1 << 40, layout)) == decode
+    with pytest.raises(HandshakeError, match=r"agreed on 1\.4.*KV token stride.*speak 1\.5"):
+        check_layout_version((1, 4), decode, "prefill-0", own_layout=True, prefill_tp=2, decode_tp=1)
+    with pytest.raises(wire.DowngradeError, match="kv_token_stride"):
+        wire.encode(info_of(decode), (1, 4))
+
+
 # ---- layouts outside the model: refused at the handshake, never planned --------------------------
 
 
