@@ -246,7 +246,7 @@ def test_refuses_two_attention_groups_and_layouts_that_split_a_block() -> None:
     head_outer = LayerTensor(
         "a", 1 << 40, (N * 2 * C * F32, BLOCKS * N * 2 * C * F32, 2 * C * F32, F32), (BLOCKS, H, N, 2 * C)
     )
-    with pytest.raises(LayoutError, match="block-compact"):
+    with pytest.raises(LayoutError, match=r"block layout pdwire plans \(LBHNC;"):
         describe([g], {"a": head_outer}, BLOCKS, tp_size=1, tp_rank=0, layer_ids={"a": 0})
     wrong = LayerTensor("a", 1 << 40, (2 * N * H * C * F32, N * H * C * F32, 1, 1), (BLOCKS, 2, H * N, C))
     with pytest.raises(LayoutError, match="expected"):

@@ -688,6 +688,14 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         else:
             self._worker = _Worker(vllm_config, kv_cache_config, engine_id)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """LBHNC (heads outer inside a block): pdwire plans every block layout vLLM resolves
+        (LBHNC and LBNHC), and between TP sizes LBHNC's head slices are one run per head and block
+        where LBNHC's are one per token. MLA's latent has no heads: no preference."""
+        mc = vllm_config.model_config
+        return None if mc is None or mc.use_mla else "LBHNC"
+
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return False

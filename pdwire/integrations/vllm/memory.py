@@ -49,6 +49,9 @@ class AttentionGroup:
     head_size: int
     dtype_bytes: int
     total_kv_heads: int | None = None  # the model's KV heads; None: num_kv_heads x TP
+    # K and V side by side per token and head in the last axis (every backend but CPU_ATTN, which
+    # reads a head's part of a block as its K page and then its V page)
+    kv_per_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,49 +162,66 @@ def _kv_pool(
     by_head: bool,
     tp_size: int,
 ) -> pd.KvPool:
-    """vLLM 0.32 views every attention layer as ``[blocks, heads, block_size, 2 * head_size]``; the
-    CPU backend (``cpu_attn.py``: a view ``[blocks, heads, 2 * block_size, head_size]`` chunked in
-    two along dim 2) keeps each head's K page (``block_size x head_size``) and then its V page.
+    """vLLM 0.32 views every attention layer as ``[blocks, heads, block_size, 2 * head_size]``,
+    its strides in the resolved block layout's order (LBHNC: heads outer inside a block, HND;
+    LBNHC: tokens outer, NHD). What the last axis holds depends on the backend: K and V side by
+    side per token and head (FlashAttention, FlashInfer, Triton: ``split(head_size, dim=-1)``), or
+    for the CPU backend (``cpu_attn.py``: a view ``[blocks, heads, 2 * block_size, head_size]``
+    chunked in two along dim 2, LBHNC only) each head's K page (``block_size x head_size``) and
+    then its V page (:attr:`AttentionGroup.kv_per_token`).
 
-    ``by_head``: described as it is, head-major pages (HND) with K and V on the same bases, V one
-    head's page after K, the next head two heads' pages on (``head_stride``); the planner slices it
-    by head for any TP pair (:attr:`Described.tp_sliceable`). Otherwise (a wire without a head
-    stride) one opaque item per block, copied whole: exact between equal TP sizes only."""
-    item = g.num_kv_heads * g.block_size * 2 * g.head_size * g.dtype_bytes  # one block of one layer
-    want = (num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+    ``by_head``: described as it is, K and V on the same bases, a (token, head) unit of K (or V)
+    at ``head_stride`` and ``token_stride``, so the planner slices it by head for any TP pair
+    (:attr:`Described.tp_sliceable`). Otherwise (a wire without strides) one opaque item per
+    block, copied whole: exact between equal TP sizes only."""
     es = g.dtype_bytes
-    inner = (g.block_size * 2 * g.head_size * es, 2 * g.head_size * es, es)
+    unit = g.head_size * es  # one token's K (or V) of one head
+    item = g.num_kv_heads * g.block_size * 2 * unit  # one block of one layer
+    want = (num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+    hnd = (g.block_size * 2 * unit, 2 * unit)  # (head, token) strides of LBHNC
+    nhd = (2 * unit, g.num_kv_heads * 2 * unit)  # of LBNHC
+    allowed = {hnd: pd.Layout.HND} if not g.kv_per_token else {hnd: pd.Layout.HND, nhd: pd.Layout.NHD}
+    found: set[tuple[int, int]] = set()
 
     def check(name: str, t: LayerTensor) -> None:
         if t.shape != want:
             raise LayoutError(
                 f"attention layer {name}: shape {t.shape}, expected [blocks, heads, block, 2 x head] {want}"
             )
-        if t.strides_bytes[1:] != inner or t.strides_bytes[0] < item:
+        head_token = (t.strides_bytes[1], t.strides_bytes[2])
+        if t.strides_bytes[3] != es or head_token not in allowed or t.strides_bytes[0] < item:
+            names = " or ".join(f"{'LBHNC' if v is pd.Layout.HND else 'LBNHC'}" for v in allowed.values())
             raise LayoutError(
                 f"attention layer {name}: strides {t.strides_bytes} do not keep a block's heads, tokens and "
-                f"K|V together (a block-compact layout such as LBHNC is needed)"
+                f"K|V together in a block layout pdwire plans ({names}; VLLM_KV_CACHE_LAYOUT picks one)"
             )
+        found.add(head_token)
+        if len(found) > 1:
+            raise LayoutError(f"attention layer {name}: a block layout different from the group's others")
 
     bases, stride, kind, device_id = _layers("attention", g.layers, tensors, check)
     if by_head:
-        span = g.block_size * g.head_size * g.dtype_bytes  # one head's K (or V) page
+        (head_stride, token_stride) = found.pop()
+        span = g.block_size * unit  # one head's K (or V) page
         total = g.total_kv_heads if g.total_kv_heads is not None else g.num_kv_heads * tp_size
+        if not g.kv_per_token:  # CPU: per head its K page, then its V page
+            head_stride, token_stride = 2 * span, unit
         return pd.KvPool(
             k_base_addrs=tuple(bases),
             v_base_addrs=tuple(bases),
             region_lens=tuple((num_blocks - 1) * stride + item for _ in bases),
             bytes_per_page=g.num_kv_heads * span,  # what K (and again V) uses in a block
             page_size=g.block_size,
-            layout=pd.Layout.HND,
+            layout=allowed[(head_stride, token_stride)] if g.kv_per_token else pd.Layout.HND,
             kv_heads_per_rank=g.num_kv_heads,
             total_kv_heads=total,
-            bytes_per_head=g.head_size * g.dtype_bytes,
+            bytes_per_head=unit,
             memory_kind=kind,
             device_id=device_id,
             page_stride=stride,
-            v_offset=span,
-            head_stride=2 * span,
+            v_offset=unit if g.kv_per_token else span,
+            head_stride=head_stride,
+            token_stride=token_stride if g.kv_per_token else None,
         )
     # without strides on the wire an item is the whole stride (padding included)
     page = item if strided else stride
@@ -323,6 +343,7 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
                     spec.head_size,
                     torch.empty((), dtype=spec.dtype).element_size(),
                     int(vllm_config.model_config.get_total_num_kv_heads()),
+                    kv_per_token=_kv_per_token(vllm_config, layers),
                 )
             )
         elif isinstance(spec, MambaSpec):
@@ -342,6 +363,14 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
         else:
             out.append(None)
     return out
+
+
+def _kv_per_token(vllm_config: Any, layers: tuple[str, ...]) -> bool:
+    """Whether the layers' attention backend keeps K and V side by side per token and head: every
+    backend but CPU_ATTN (the layers' own backends once the model is built, else the default)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    return all(b.get_name() != "CPU_ATTN" for b in get_current_attn_backends(vllm_config, list(layers)))
 
 
 def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
