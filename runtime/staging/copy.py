@@ -3,8 +3,9 @@
 :class:`HostCopier` checks every row against this process's host regions, then copies: a
 segment of rows of one length on a grid of that length is one numpy ``take`` (gather) or
 fancy-index store (scatter), C loops without the GIL; anything else goes row by row. Device
-memory needs a device copier with the same one method (:class:`Copier`: a batched gather /
-scatter kernel on the cache's stream); the transform and the cost model do not change.
+memory needs a device copier with the same methods (:class:`Copier`; caches held as torch
+tensors: :class:`~pdwire.runtime.staging.torch_copy.TorchCopier`); the transform and the cost
+model do not change.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ class CopyError(ValueError):
 
 
 class Copier(Protocol):
+    """Executes local copy tables; ``buffer`` allocates a staging buffer where it copies (None:
+    the transfer engine allocates host memory)."""
+
     def copy(self, table: DescriptorTable) -> None: ...
+
+    def buffer(self, name: str, nbytes: int) -> Region | None: ...
 
 
 def _span_view(lo: int, hi: int) -> U8:
@@ -100,6 +106,9 @@ class HostCopier:
                 f"copy row {i}: {side} [{int(addr[i]):#x}, +{int(table.length[i])}) is not inside "
                 f"region {int(reg[i])}"
             )
+
+    def buffer(self, name: str, nbytes: int) -> Region | None:
+        return None  # host memory: the transfer engine allocates it
 
     def copy(self, table: DescriptorTable) -> None:
         """Copy every row (rows must not overlap one another's destination)."""

@@ -4,8 +4,8 @@
 The buffer is registered after the planner's regions, so every prefill rank gets its own
 revocable window onto it and the fence covers it. A room's ranges are freed with its slots: at
 Success at once, after a failure only once its fence completed, because a late write into a
-reused range would corrupt another room's copy source. Host memory only (``HostCopier``); a
-device copier plugs in as ``copier``.
+reused range would corrupt another room's copy source. Host memory by default (``HostCopier``);
+a device copier (``TorchCopier``) plugs in as ``copier`` and allocates the buffer on its device.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ScatterReceiver:
             self.failure = "the KV cache is device memory and no device copier was given"
         else:
             try:
-                self.region, self.base = own_buffer(backend, SCATTER_BUFFER, nbytes)
+                self.region, self.base = own_buffer(backend, SCATTER_BUFFER, nbytes, copier)
             except BackendError as exc:
                 self.failure = f"no receive staging buffer: {type(exc).__name__}: {exc}"
             else:

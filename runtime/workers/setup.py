@@ -14,6 +14,7 @@ from pdwire.runtime.backends import Backend, create_backend
 from pdwire.runtime.config import ConfigError, ParallelRank, WorkerConfig
 from pdwire.runtime.planner import PlanError, RankMemory, regions
 from pdwire.runtime.session.hello import Identity
+from pdwire.runtime.staging import Copier
 from pdwire.runtime.workers.backoff import PollBackoff
 from pdwire.runtime.workers.curve import resolve
 
@@ -93,16 +94,20 @@ STAGING_BUFFER = "pdwire-staging"  # a prefill rank's staging buffer
 BUFFER_NAMES = (SCATTER_BUFFER, STAGING_BUFFER)
 
 
-def own_buffer(backend: Backend, name: str, nbytes: int) -> tuple[int, int]:
+def own_buffer(backend: Backend, name: str, nbytes: int, copier: Copier | None = None) -> tuple[int, int]:
     """(region index, address) of a worker buffer ``name`` of ``nbytes``: the one an earlier
     worker on this backend registered (a backend outlives the workers an engine builds on it),
-    else a new one, allocated and registered after every other region. Raises BackendError."""
+    else a new one, allocated by ``copier`` where it copies (device memory) or by the backend,
+    and registered after every other region. Raises BackendError."""
+    given = copier.buffer(name, nbytes) if copier is not None else None
     for i, r in enumerate(backend.regions):
-        if r.name == name and r.length == nbytes:
+        if r.name == name and r.length == nbytes and (given is None or r.base == given.base):
             return i, r.base
-    buf = backend.allocate(name, nbytes)
-    (region,) = backend.register([buf.region()])
-    return region, buf.address
+    if given is None:
+        buf = backend.allocate(name, nbytes)
+        given = buf.region()
+    (region,) = backend.register([given])
+    return region, given.base
 
 
 def register_memory(backend: Backend, memory: RankMemory, rank: ParallelRank) -> None:

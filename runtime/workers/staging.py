@@ -100,7 +100,8 @@ class Stager:
         if self._region >= 0:
             return True
         try:
-            self._region, self._base = own_buffer(self.backend, STAGING_BUFFER, self.arena.nbytes)
+            nbytes = self.arena.nbytes
+            self._region, self._base = own_buffer(self.backend, STAGING_BUFFER, nbytes, self._copier)
         except BackendError as exc:
             self._disabled, self.failure = True, f"staging off: {type(exc).__name__}: {exc}"
             return False

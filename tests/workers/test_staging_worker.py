@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pdwire.runtime import engine as pd
+from pdwire.runtime.staging.torch_copy import TorchCopier
 from tests.workers import nhd_ranks
 from tests.workers.nhd_ranks import Rank
 
@@ -40,17 +41,23 @@ def pump(workers: list[pd.PrefillWorker | pd.DecodeWorker], until: Callable[[], 
             w.step(1)
 
 
-@pytest.fixture(params=["local", "nixl"])
+@pytest.fixture(params=["local", "nixl", "local+torch"])
 def setup(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    name = request.param
+    name, _, copy_with = request.param.partition("+")
     pr = rank(name, "pre", 1, 0, fill=3)
     drs = [rank(name, f"dec{r}", 2, r, fill=None) for r in range(2)]
     released: list[tuple[int, pd.Status]] = []
     finished: list[tuple[int, pd.Status]] = []
     slots: list[int] = []
+    copier = None
+    if copy_with == "torch":  # the cache as torch tensors, staged by index ops on their device
+        import torch
+
+        copier = TorchCopier([torch.from_numpy(pool) for pool in pr.pools])
     pre = pd.PrefillWorker(
         pd.PrefillConfig(engine_id="p", rank=pd.ParallelRank(1, 0), model=MODEL, staging_bytes=STAGING),
         pr.memory, backend=pr.backend, on_released=lambda room, st, f: released.append((room, st)),
+        copier=copier,
     )  # fmt: skip
     decs = [
         pd.DecodeWorker(
@@ -106,6 +113,10 @@ def test_staged_parts_land_byte_for_byte_through_a_small_staging_buffer(setup) -
     assert s.descriptors < s.planned_descriptors // 8
     assert s.bytes_posted == 2 * PAGES * 2 * LAYERS * PAGE * 2 * HEAD_BYTES
     assert pre.staging_in_use == 0 and pre.staged_parts_waiting == 0
+    staging = [r for r in pr.backend.regions if r.name == "pdwire-staging"]
+    assert len(staging) == 1
+    if isinstance(pre._stager._copier, TorchCopier):  # the buffer is the copier's, on its device
+        assert staging[0].base == pre._stager._copier._buffers[0].data_ptr()
 
 
 def test_an_aborted_room_drains_its_staged_parts_before_anything_is_reused(setup) -> None:  # type: ignore[no-untyped-def]
