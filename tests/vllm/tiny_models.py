@@ -9,6 +9,12 @@ Prompts are token ids (engines run with ``skip_tokenizer_init=True``), so no tok
 * :func:`write_hybrid_granite`: a GraniteMoeHybrid with one Mamba2 layer and one attention
   layer and no experts: vLLM runs it with the hybrid memory allocator (a Mamba group and an
   attention group that alias the same memory).
+* :func:`write_mla_deepseek`: a DeepSeek-V2 with multi-head latent attention (a latent of
+  ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 per token, the only size vLLM CPU's ``CPU_MLA``
+  decode kernel runs), 2 layers with dense MLPs (no experts) and 4 query heads (2 per rank at TP 2).
+* :func:`write_sliding_gemma3`: a Gemma3 text model of sliding-window layers (a 64-token window)
+  and a last full-attention one (or none): vLLM runs it with the hybrid allocator, one KV cache
+  group per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ VOCAB = 512
 
 DENSE = "dense"
 HYBRID = "hybrid"
-MODELS = (DENSE, HYBRID)
+MLA = "mla"
+MODELS = (DENSE, HYBRID, MLA)
 
 
 def write_dense_llama(path: str | Path, *, seed: int = 0) -> Path:
@@ -74,11 +81,89 @@ def write_hybrid_granite(path: str | Path, *, seed: int = 0) -> Path:
     return _save(GraniteMoeHybridForCausalLM, config, path, seed, torch)
 
 
+def write_mla_deepseek(path: str | Path, *, seed: int = 0) -> Path:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        # every layer below first_k_dense_replace has a dense MLP: no experts are built; the
+        # expert fields only have to be valid
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=1024,
+        # DeepSeek's own YaRN rope (as DeepSeek-V2 ships it), which vLLM's CPU build runs in
+        # PyTorch: its default rope kernel misreads the strided rope halves of MLA's q and k, so
+        # a prompt's tokens would depend on the other prompts in its batch
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _save(DeepseekV2ForCausalLM, config, path, seed, torch)
+
+
+SLIDING_WINDOW = 64  # tokens; two 32-token blocks, so a prompt of a few blocks leaves some out
+
+
+def write_sliding_gemma3(path: str | Path, *, seed: int = 0, layers: int = 3, full: bool = True) -> Path:
+    """A Gemma3 text model of ``layers`` layers, sliding-window attention of ``SLIDING_WINDOW``
+    tokens but the last, which is full attention (``full``; else every layer slides): vLLM runs
+    it with the hybrid allocator, one KV cache group per layer kind and page size (here one per
+    layer). 2 KV heads of 64 (one per rank at TP 2)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    last = "full_attention" if full else "sliding_attention"
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention"] * (layers - 1) + [last],
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _save(Gemma3ForCausalLM, config, path, seed, torch)
+
+
 def write_model(kind: str, path: str | Path, *, seed: int = 0) -> Path:
     if kind == DENSE:
         return write_dense_llama(path, seed=seed)
     if kind == HYBRID:
         return write_hybrid_granite(path, seed=seed)
+    if kind == MLA:
+        return write_mla_deepseek(path, seed=seed)
     raise ValueError(f"unknown tiny model {kind!r}; known: {', '.join(MODELS)}")
 
 

@@ -44,7 +44,9 @@ from pdwire.integrations.vllm.memory import (
     Described,
     MambaGroup,
     MlaGroup,
+    WindowGroup,
     describe_vllm,
+    kv_window,
     vllm_groups,
 )
 from pdwire.integrations.vllm.stats import REFUSED, IntervalCounts, PdwireKVConnectorStats, PdwirePromMetrics
@@ -176,27 +178,66 @@ class _Groups:
         self.kv: int | None = None
         self.state: list[int] = []
         self.block_size = vllm_config.cache_config.block_size
+        # sliding-window / chunked-local groups: only their live pages move (see WindowGroup)
+        self.windows = {i: g for i, g in enumerate(groups) if isinstance(g, WindowGroup)}
+        window_kv = kv_window(groups)
         for i, g in enumerate(groups):
             if isinstance(g, AttentionGroup | MlaGroup) and self.kv is None:
                 self.kv, self.block_size = i, g.block_size
-            elif isinstance(g, MambaGroup):
+            elif isinstance(g, WindowGroup) and i == window_kv:
+                self.kv, self.block_size = i, g.attention.block_size
+            elif isinstance(g, MambaGroup | WindowGroup):
                 self.state.append(i)
         self.spec_blocks = [
             getattr(kv_cache_config.transfer_groups[i].kv_cache_spec, "num_speculative_blocks", 0)
             for i in self.state
         ]
-        self.unsupported = [i for i, g in enumerate(groups) if g is None]
+        self.unsupported = [
+            f"{i} ({type(kv_cache_config.transfer_groups[i].kv_cache_spec).__name__})"
+            for i, g in enumerate(groups)
+            if g is None
+        ]
+        # the hybrid allocator splits many full-attention layers into groups with their own
+        # block tables; pdwire's request indices carry one KV page list
+        self.extra_full = [
+            i for i, g in enumerate(groups) if isinstance(g, AttentionGroup | MlaGroup) and i != self.kv
+        ]
+
+    def _live(self, group: int, num_tokens: int) -> range:
+        """Positions of a group's blocks that hold what the token after ``num_tokens`` needs."""
+        window = self.windows.get(group)
+        return window.live_pages(num_tokens) if window else range(math.ceil(num_tokens / self.block_size))
+
+    def first_live_page(self, num_tokens: int) -> float:
+        """The first block position a window group still needs (a local prefix reaching past it
+        would make decode's page lists shorter than prefill's); inf without window groups."""
+        return min((self._live(g, num_tokens).start for g in self.windows), default=math.inf)
 
     def split(self, block_ids: tuple[list[int], ...], num_tokens: int) -> tuple[list[int], list[list[int]]]:
         """(KV pages holding ``num_tokens`` tokens, one state slot per state component)."""
         ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
         assert self.kv is not None
-        pages = list(ids[self.kv][: math.ceil(num_tokens / self.block_size)])
+
+        def live(g: int) -> list[int]:
+            r = self._live(g, num_tokens)
+            return list(ids[g][r.start : r.stop])
+
+        pages = live(self.kv)
         state = [
-            clip_ssm_state_blocks(list(ids[g]), n)[-1:]
+            live(g) if g in self.windows else clip_ssm_state_blocks(list(ids[g]), n)[-1:]
             for g, n in zip(self.state, self.spec_blocks, strict=True)
         ]
         return pages, state
+
+    def problem(self, pages: list[int], state: list[list[int]], num_tokens: int) -> str | None:
+        """What is wrong with a request's split block lists, or None: a list shorter than its
+        live range, a Mamba slot missing, or vLLM's null block (id 0) where a live block belongs."""
+        assert self.kv is not None
+        for g, got in ((self.kv, pages), *zip(self.state, state, strict=True)):
+            want = len(self._live(g, num_tokens)) if g in self.windows or g == self.kv else 1
+            if len(got) != want or (g in self.windows and 0 in got):
+                return f"group {g} holds blocks {got} where {want} live blocks belong"
+        return None
 
 
 class _Scheduler:
@@ -207,7 +248,10 @@ class _Scheduler:
         self.engine_id = engine_id
         self.is_producer = bool(kv.is_kv_producer)
         self.groups = groups
-        self.has_state = bool(self.groups.state)
+        # window groups too: the window of prefill's last token may start one block before the
+        # next token's, which vLLM already freed; decode computing that token itself needs only
+        # the next token's window
+        self.has_state = bool(self.groups.state or self.groups.windows)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.endpoints: tuple[str, ...] = ()
@@ -298,14 +342,9 @@ class _Scheduler:
             return False, None
         tokens = request.num_computed_tokens
         pages, state = self.groups.split(block_ids, tokens)
-        if len(pages) != math.ceil(tokens / self.groups.block_size) or any(len(s) != 1 for s in state):
-            logger.error(
-                "PdwireConnector: request %s holds %d pages and state %s for %d tokens",
-                request.request_id,
-                len(pages),
-                state,
-                tokens,
-            )
+        problem = self.groups.problem(pages, state, tokens)
+        if problem is not None:
+            logger.error("PdwireConnector: request %s of %d tokens: %s", request.request_id, tokens, problem)
             return False, None
         room = pd.room_for_request(f"{self.engine_id}:{request.request_id}")
         self._sends.append(SendReq(request.request_id, room, pages, state))
@@ -350,6 +389,20 @@ class _Scheduler:
         if handle is None:
             return 0, False
         count = handle.num_tokens - num_computed_tokens
+        local_pages = math.ceil(num_computed_tokens / self.groups.block_size)
+        if count > 0 and local_pages > self.groups.first_live_page(handle.num_tokens):
+            # the local prefix holds blocks of a window prefill sends too: the page lists would
+            # differ in length; the prompt's tail is then shorter than the window, decode computes it
+            logger.info(
+                "PdwireConnector: request %s is computed locally: its local prefix of %d tokens reaches "
+                "into the attention window",
+                request.request_id,
+                num_computed_tokens,
+            )
+            params = request.kv_transfer_params
+            assert params is not None
+            params[tp.STARTED] = True
+            return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -365,6 +418,8 @@ class _Scheduler:
         local = handle.num_tokens - num_external_tokens  # tokens decode already holds (prefix cache)
         prefix_pages = local // self.groups.block_size
         pages, state = self.groups.split(blocks.get_block_ids(), handle.num_tokens)
+        if self.groups.kv in self.groups.windows:  # the KV list is live pages, all past the prefix
+            prefix_pages = 0
         self._recvs.append(
             RecvReq(
                 request.request_id,
@@ -427,6 +482,9 @@ class _Worker:
         if self.extra["pdwire_control_keys"]:
             common["control_auth"] = pd.ControlAuth.from_directory(self.extra["pdwire_control_keys"])
         memory = self.described.memory
+        # caches in device memory are staged there (host memory keeps pdwire's numpy copier)
+        on_device = any(t.device.type != "cpu" for t in kv_caches.values())
+        copier = pd.TorchCopier(list(kv_caches.values())) if on_device else None
         worker: pd.PrefillWorker | pd.DecodeWorker
         if self.is_producer:
             host = self.extra["pdwire_host"]
@@ -434,7 +492,7 @@ class _Worker:
             cfg = pd.PrefillConfig(
                 **common, bind=f"tcp://{host}:0", advertise=None if adv is None else f"tcp://{adv}"
             )
-            worker = pd.PrefillWorker(cfg, memory, on_released=self._on_released)
+            worker = pd.PrefillWorker(cfg, memory, on_released=self._on_released, copier=copier)
             self.endpoint = worker.endpoint
         else:
             dcfg = pd.DecodeConfig(
@@ -443,7 +501,11 @@ class _Worker:
                 peer_timeout_s=float(self.extra["pdwire_peer_timeout_s"]),
             )
             worker = pd.DecodeWorker(
-                dcfg, memory, on_finished=self._on_finished, on_slots_released=self._on_slots_released
+                dcfg,
+                memory,
+                on_finished=self._on_finished,
+                on_slots_released=self._on_slots_released,
+                copier=copier,
             )
         self.worker = worker
         self.thread = pd.WorkerThread(
@@ -680,8 +742,16 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ValueError("PdwireConnector needs a full-attention KV cache group")
         if groups.unsupported:
             raise ValueError(
-                f"PdwireConnector moves full-attention and Mamba KV cache groups; transfer groups "
-                f"{groups.unsupported} of this model are of another kind"
+                f"PdwireConnector moves full-attention, MLA, sliding-window, chunked-local and Mamba KV "
+                f"cache groups; transfer groups {', '.join(groups.unsupported)} of this model are of "
+                "another kind"
+            )
+        if groups.extra_full:
+            raise ValueError(
+                f"PdwireConnector: KV cache groups {[groups.kv, *groups.extra_full]} are all full attention "
+                "with their own block tables (vLLM's hybrid allocator split the model's full-attention "
+                "layers); pdwire carries one KV page list per request: serve this model with "
+                "--disable-hybrid-kv-cache-manager (window layers then move whole, as full attention)"
             )
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _Scheduler(vllm_config, groups, engine_id)

@@ -6,7 +6,9 @@ docs/vllm.md: a full-attention group as a head-major ``KvPool`` with K and V on 
 slot-indexed ``StatePool`` of its conv and SSM tensors at their offsets inside a padded page,
 and with the hybrid allocator the groups alias (one registration; pdwire's planner registers
 overlapping extents once and refuses a request whose destinations overlap). The Mamba TP
-sharding is read off the local shapes; where they cannot say it is left unknown.
+sharding is read off the local shapes; where they cannot say it is left unknown. An MLA group
+(DeepSeek, Kimi) is one latent per token and layer, the same bytes on every TP rank: an MLA
+``KvPool`` copied whole for any TP pair.
 
 :func:`describe` is pure over :class:`LayerTensor` facts so it is testable without vLLM;
 :func:`describe_vllm` reads them from vLLM's config and tensors.
@@ -67,7 +69,59 @@ class MambaGroup:
     conv_dim_first: bool
 
 
-Group = AttentionGroup | MambaGroup
+@dataclass(frozen=True)
+class MlaGroup:
+    """A multi-head latent attention (MLA) KV cache group: per token one latent vector of
+    ``token_bytes`` (``kv_lora_rank + qk_rope_head_dim`` elements; no heads, no V), replicated on
+    every TP rank."""
+
+    layers: tuple[str, ...]
+    block_size: int
+    token_bytes: int
+
+
+@dataclass(frozen=True)
+class WindowGroup:
+    """A sliding-window or chunked-local attention KV cache group: blocks laid out like a
+    full-attention group's (``attention``), but only the blocks the request's next token attends
+    are live; vLLM's ``SlidingWindowManager`` / ``ChunkedLocalAttentionManager`` put the null
+    block in the others. Exactly one of ``sliding_window`` (tokens, its trailing edge widened by
+    ``extra_retained`` tokens) and ``chunk`` (chunked-local attention's chunk size) is set."""
+
+    attention: AttentionGroup
+    sliding_window: int | None = None
+    chunk: int | None = None
+    extra_retained: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "chunked-local" if self.chunk is not None else "sliding-window"
+
+    def skipped_tokens(self, num_tokens: int) -> int:
+        """Tokens outside the window of the token after ``num_tokens`` computed ones: vLLM's
+        ``get_num_skipped_tokens``, which frees their blocks on prefill and leaves them null on
+        decode, so both sides agree on it."""
+        if self.chunk is not None:
+            return (num_tokens // self.chunk) * self.chunk
+        assert self.sliding_window is not None
+        return max(0, num_tokens - self.sliding_window + 1 - self.extra_retained)
+
+    def live_pages(self, num_tokens: int) -> range:
+        """Block positions (in the request's block table) still live after ``num_tokens``."""
+        bs = self.attention.block_size
+        return range(self.skipped_tokens(num_tokens) // bs, math.ceil(num_tokens / bs))
+
+
+Group = AttentionGroup | MambaGroup | MlaGroup | WindowGroup
+
+
+def kv_window(groups: Sequence[Group | None]) -> int | None:
+    """The window group whose live pages are the KV page list, in a model without a
+    full-attention (or MLA) group: the first one; None when the model has such a group (window
+    groups are then state components)."""
+    if any(g is not None and not isinstance(g, WindowGroup | MambaGroup) for g in groups):
+        return None
+    return next((i for i, g in enumerate(groups) if isinstance(g, WindowGroup)), None)
 
 
 @dataclass(frozen=True)
@@ -102,20 +156,31 @@ def describe(
     (see :func:`_kv_pool`); without it they are opaque items, equal TP only."""
     kv_group: int | None = None
     kv: pd.KvPool | None = None
+    mla = False  # the KV pool is a real MLA latent (not opaque blocks): replicated, any TP pair
     state: list[pd.StatePool] = []
     state_groups: list[int] = []
     for gi, g in enumerate(groups):
         if g is None:
             raise LayoutError(f"KV cache group {gi} is of a kind pdwire's vLLM connector does not transfer")
-        if isinstance(g, AttentionGroup):
+        if isinstance(g, AttentionGroup | MlaGroup):
             if kv is not None:
                 raise LayoutError(
                     f"KV cache groups {kv_group} and {gi} are both full attention with their own block "
                     "tables; pdwire's request indices carry one KV page list"
                 )
-            by_head = strided and head_strided
-            kv = _kv_pool(g, tensors, num_blocks, strided, by_head, tp_size)
+            if isinstance(g, MlaGroup):
+                kv, mla = _mla_pool(g, tensors, num_blocks, strided), True
+            else:
+                by_head = strided and head_strided
+                kv = _kv_pool(g, tensors, num_blocks, strided, by_head, tp_size)
             kv_group = gi
+        elif isinstance(g, WindowGroup) and gi == kv_window(groups):
+            kv = _kv_pool(g.attention, tensors, num_blocks, strided, strided and head_strided, tp_size)
+            kv_group = gi
+        elif isinstance(g, WindowGroup):
+            by_head = strided and head_strided
+            state.append(_window_pool(g, tensors, num_blocks, strided, by_head, tp_size, layer_ids))
+            state_groups.append(gi)
         else:
             state.append(_mamba(g, tensors, num_blocks, tp_size, layer_ids, strided))
             state_groups.append(gi)
@@ -126,7 +191,7 @@ def describe(
         kv=kv,
         state=tuple(state),
     )
-    return Described(memory, kv_group, tuple(state_groups), not kv.is_mla)
+    return Described(memory, kv_group, tuple(state_groups), mla or not kv.is_mla)
 
 
 def _layers(
@@ -242,6 +307,49 @@ def _kv_pool(
     )
 
 
+def _mla_pool(g: MlaGroup, tensors: Mapping[str, LayerTensor], num_blocks: int, strided: bool) -> pd.KvPool:
+    """vLLM 0.32 views an MLA layer as ``[blocks, 1, block_size, latent]`` (``CPU_MLA`` and the
+    GPU MLA backends alike): a block's latents are one contiguous page, the block stride read off
+    the tensor. Every TP rank holds the whole latent, so the pool is one replicated "head"
+    (``is_mla``) that the planner copies whole between any TP sizes: prefill TP > decode TP, one
+    prefill rank of each group writes; prefill TP < decode TP, the prefill writes every decode
+    rank it feeds. Without item strides on the wire an item is the whole block stride."""
+    page = g.block_size * g.token_bytes
+
+    def check(name: str, t: LayerTensor) -> None:
+        inner = [(d, s) for d, s in zip(t.shape[1:], t.strides_bytes[1:], strict=True) if d != 1]
+        latent_ok = len(inner) == 2 and inner[1][0] * inner[1][1] == g.token_bytes
+        if t.shape[0] != num_blocks or not latent_ok or inner[0] != (g.block_size, g.token_bytes):
+            raise LayoutError(
+                f"MLA layer {name}: shape {t.shape}, strides {t.strides_bytes} B: expected "
+                f"[{num_blocks} blocks, 1, {g.block_size} tokens, latent] with a block's latents contiguous "
+                f"({g.token_bytes} B per token); pdwire's vLLM connector moves MLA caches laid out like "
+                "vLLM 0.32's MLA backends"
+            )
+        if t.strides_bytes[0] < page:
+            raise LayoutError(
+                f"MLA layer {name}: a block stride of {t.strides_bytes[0]} B cannot hold {page} B"
+            )
+
+    bases, stride, kind, device_id = _layers("MLA", g.layers, tensors, check)
+    item = page if strided else stride
+    return pd.KvPool(
+        k_base_addrs=tuple(bases),
+        v_base_addrs=(),
+        region_lens=tuple((num_blocks - 1) * stride + item for _ in bases),
+        bytes_per_page=item,
+        page_size=g.block_size,
+        layout=pd.Layout.NHD,
+        kv_heads_per_rank=1,
+        total_kv_heads=1,
+        bytes_per_head=item // g.block_size,
+        is_mla=True,
+        memory_kind=kind,
+        device_id=device_id,
+        page_stride=stride if stride != item else None,
+    )
+
+
 def _mamba(
     g: MambaGroup,
     tensors: Mapping[str, LayerTensor],
@@ -305,6 +413,54 @@ def _mamba(
     )
 
 
+def _window_pool(
+    g: WindowGroup,
+    tensors: Mapping[str, LayerTensor],
+    num_blocks: int,
+    strided: bool,
+    by_head: bool,
+    tp_size: int,
+    layer_ids: Mapping[str, int],
+) -> pd.StatePool:
+    """A window group as a paged SWA state component: the request's live pages are its index
+    list, matched position by position with decode's. Its blocks are described as a full-attention
+    group's KV pool (:func:`_kv_pool`) and re-cut as one state tensor sharded by KV head (the
+    wire's head geometry has no head or token stride, a sharded axis has rows): head-major blocks
+    (LBHNC: each head's K and V together, vLLM CPU's K page then V page or K|V per token) are
+    ``[heads][K and V of the head]``, token-major ones (LBNHC) ``[tokens][heads][K|V]``, so any
+    TP pair slices them. Opaque blocks (a wire without strides) are one whole-block tensor,
+    equal TP only."""
+    kv = _kv_pool(g.attention, tensors, num_blocks, strided, by_head, tp_size)
+    common: dict[str, Any] = dict(
+        kind=pd.StateKind.SWA,
+        indexing=pd.Indexing.PAGE,
+        layer_ids=tuple(layer_ids[name] for name in g.attention.layers),
+        memory_kind=kv.memory_kind,
+        device_id=kv.device_id,
+    )
+    if kv.is_mla:  # opaque blocks: copied whole
+        page = pd.StateTensor("kv", kv.k_base_addrs, kv.region_lens, kv.bytes_per_page, slot_stride=kv.stride)
+        return pd.StatePool(tensors=(page,), **common)
+    heads, unit = kv.kv_heads_per_rank, kv.bytes_per_head
+    if kv.layout is pd.Layout.HND and kv.head_stride == 2 * kv.head_span:
+        rows = 1
+    elif kv.layout is pd.Layout.NHD and (kv.head_stride, kv.token_stride) == (2 * unit, heads * 2 * unit):
+        rows = kv.page_size
+    else:
+        raise LayoutError(
+            f"{g.kind} KV cache group of layers {g.attention.layers[0]}..{g.attention.layers[-1]}: heads "
+            f"{kv.head_stride} B and tokens {kv.token_stride} B apart is a block layout pdwire cannot "
+            "describe as state (LBHNC or LBNHC with K and V on the same bases)"
+        )
+    # heads replicated over ranks (fewer KV heads than TP): left unknown, equal TP only
+    axis = heads if heads * tp_size == kv.total_kv_heads else None
+    t = pd.StateTensor(
+        "kv", kv.k_base_addrs, kv.region_lens, heads * 2 * kv.head_span, sharded_axis_size=axis,
+        slot_stride=kv.stride, offset=kv.k_offset, outer_rows=rows,
+    )  # fmt: skip
+    return pd.StatePool(tensors=(t,), **common)
+
+
 # ---------------------------------------------------------------------- from vLLM objects
 
 
@@ -325,13 +481,21 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
     """vLLM's transfer groups as :data:`Group` values (None for kinds not transferred)."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     out: list[Group | None] = []
     for g in kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
         layers = tuple(g.layer_names)
-        if isinstance(spec, FullAttentionSpec) and not isinstance(spec, SlidingWindowSpec):
+        if isinstance(spec, MLAAttentionSpec):  # before FullAttentionSpec, its base class
+            out.append(_mla_group(vllm_config, spec, layers))
+        elif isinstance(spec, FullAttentionSpec) and not isinstance(spec, SlidingWindowSpec):
             if spec.head_size_v != spec.head_size:
                 out.append(None)
                 continue
@@ -360,9 +524,75 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
                     bool(is_conv_state_dim_first()),
                 )
             )
+        elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            out.append(_window_group(vllm_config, spec, layers))
         else:
             out.append(None)
     return out
+
+
+def _window_group(vllm_config: Any, spec: Any, layers: tuple[str, ...]) -> WindowGroup:
+    """A sliding-window or chunked-local spec as a :class:`WindowGroup`; the window kinds whose
+    blocks are not laid out like full attention's are refused by name."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, SlidingWindowSpec
+
+    kind = type(spec).__name__
+    what = f"{kind} KV cache group of layers {layers[0]}..{layers[-1]}"
+    if isinstance(spec, SlidingWindowMLASpec):
+        raise LayoutError(
+            f"{what}: sliding-window MLA (DeepSeek-V4); pdwire's vLLM connector moves sliding-window "
+            "groups laid out like full attention (K and V per head)"
+        )
+    if spec.head_size_v != spec.head_size:
+        raise LayoutError(f"{what}: V heads of {spec.head_size_v} differ from K heads of {spec.head_size}")
+    attention = AttentionGroup(
+        layers,
+        int(spec.block_size),
+        int(spec.num_kv_heads),
+        int(spec.head_size),
+        torch.empty((), dtype=spec.dtype).element_size(),
+        int(vllm_config.model_config.get_total_num_kv_heads()),
+        kv_per_token=_kv_per_token(vllm_config, layers),
+    )
+    if isinstance(spec, SlidingWindowSpec):
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return WindowGroup(attention, sliding_window=int(spec.sliding_window), extra_retained=extra)
+    return WindowGroup(attention, chunk=int(spec.attention_chunk_size))
+
+
+def _mla_group(vllm_config: Any, spec: Any, layers: tuple[str, ...]) -> MlaGroup:
+    """An MLA spec as an :class:`MlaGroup`; the MLA caches whose bytes are not one latent per
+    token of a block (DeepSeek-V4's compressed states, DeepSeek-V3.2's indexer cache, tokens
+    sharded over decode context parallel ranks) are refused by name."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, SparseCacheRole
+
+    what = f"MLA KV cache group of layers {layers[0]}..{layers[-1]}"
+    if isinstance(spec, HiddenStateCacheSpec):
+        raise LayoutError(f"{what} is a hidden-state cache, not attention; pdwire moves attention KV only")
+    if spec.tokens_per_state != 1 or spec.model_version is not None:
+        raise LayoutError(
+            f"{what}: {spec.tokens_per_state} tokens per stored state (model version {spec.model_version}); "
+            "pdwire's vLLM connector moves MLA caches of one latent per token (DeepSeek-V2/V3, Kimi), "
+            "not DeepSeek-V4's compressed caches"
+        )
+    if spec.cache_role != SparseCacheRole.SPARSE:
+        raise LayoutError(
+            f"{what}: a sparse-attention {spec.cache_role.value} cache (DeepSeek-V3.2); pdwire's vLLM "
+            "connector moves the MLA latent only, not indexer caches"
+        )
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    if spec.dcp_sharded and dcp > 1:
+        raise LayoutError(
+            f"{what}: decode context parallel size {dcp} shards each request's latents over ranks; "
+            "pdwire moves whole latents, run without decode context parallelism"
+        )
+    if spec.num_heads != 1 or spec.real_page_size_bytes % spec.block_size:
+        raise LayoutError(
+            f"{what}: {spec.num_heads} head slots, {spec.real_page_size_bytes} B per block of "
+            f"{spec.block_size} tokens; pdwire's vLLM connector moves one latent per token"
+        )
+    return MlaGroup(layers, int(spec.block_size), int(spec.real_page_size_bytes // spec.block_size))
 
 
 def _kv_per_token(vllm_config: Any, layers: tuple[str, ...]) -> bool:
