@@ -57,6 +57,8 @@ from pdwire.runtime.session.failures import (
 )
 from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status, is_terminal
+from pdwire.runtime.staging import Copier, CopyError
+from pdwire.runtime.staging.torch_copy import TorchCopier
 from pdwire.runtime.workers.decode import DecodeStats, DecodeWorker, PrefillGroup
 from pdwire.runtime.workers.prefill import PrefillStats, PrefillWorker
 from pdwire.runtime.workers.thread import WorkerStopped, WorkerThread
@@ -67,6 +69,8 @@ __all__ = [
     "Backend",
     "ConfigError",
     "ControlAuth",
+    "Copier",
+    "CopyError",
     "DecodeConfig",
     "DecodeStats",
     "DecodeWorker",
@@ -96,6 +100,7 @@ __all__ = [
     "StatePool",
     "StateTensor",
     "Status",
+    "TorchCopier",
     "WorkerConfig",
     "WorkerStopped",
     "WorkerThread",
