@@ -15,9 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from pdwire.integrations.vllm.memory import LayoutError, MlaGroup, vllm_groups
 from tests.vllm import harness as h
 from tests.vllm import tiny_models as tm
 from tests.vllm.engines.conftest import MAX_TOKENS, PDWIRE_ENV, kv_usage, pdwire_config, settle, start
@@ -150,3 +153,33 @@ def test_mla_prefill_tp1_to_decode_tp2(
     _check_pd(prefill, decode_tp2, mla_prompts, expected, 1)
     # the latent is replicated: the one prefill rank writes it to both decode ranks
     assert prefill.connector_stats()["bytes_posted"] - sent == 2 * _latent_bytes(mla_prompts)
+
+
+# ---- vLLM's own MLA specs (no engine) -------------------------------------------------------------
+
+
+def _groups_of(spec: Any, dcp: int = 1) -> list[Any]:
+    config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=dcp))
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])
+    return vllm_groups(config, SimpleNamespace(transfer_groups=[group]))
+
+
+def test_vllm_mla_specs_are_one_latent_per_token_or_refused_by_name() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MLAAttentionSpec, SparseCacheRole
+
+    latent = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 576, "dtype": torch.float32}
+    layers = ("model.layers.0.attn", "model.layers.1.attn")
+    assert _groups_of(MLAAttentionSpec(**latent)) == [MlaGroup(layers, BLOCK, LATENT_BYTES)]
+    padded = MLAAttentionSpec(**latent, alignment=5000)  # the page padded: the latent stays what it is
+    assert padded.page_size_bytes > BLOCK * LATENT_BYTES
+    assert _groups_of(padded) == [MlaGroup(layers, BLOCK, LATENT_BYTES)]
+    refused = [
+        (MLAAttentionSpec(**latent, tokens_per_state=4, model_version="deepseek_v4"), {}, "DeepSeek-V4"),
+        (MLAAttentionSpec(**latent, cache_role=SparseCacheRole.INDEXER), {}, "indexer"),
+        (MLAAttentionSpec(**latent), {"dcp": 2}, "decode context parallel"),
+        (HiddenStateCacheSpec(**latent), {}, "hidden-state"),
+    ]
+    for spec, kw, why in refused:
+        with pytest.raises(LayoutError, match=f"MLA KV cache group .*{why}"):
+            _groups_of(spec, **kw)
