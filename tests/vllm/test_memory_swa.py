@@ -207,3 +207,15 @@ def test_live_pages_of_sliding_and_chunked_windows() -> None:
     chunked = WindowGroup(sliding.attention, chunk=8)
     assert list(chunked.live_pages(13)) == [2, 3] and list(chunked.live_pages(16)) == []
     assert chunked.kind == "chunked-local" and sliding.kind == "sliding-window"
+
+
+def test_a_window_with_no_live_page_sends_nothing_of_it() -> None:
+    """Chunked-local attention right at a chunk boundary holds no live block: both lists empty."""
+    src = build_rank(1, 0, 1 << 40, 0)
+    dst = build_rank(1, 0, 1 << 44, 1)
+    before = dst.layers[SW].copy()
+    plan = prepare_peer(src.described.memory, dst.described.memory)
+    table = plan.plan_request([0, 1], [2, 3], [[]], [[]]).table()
+    execute(table, src.space, dst.space, regions(src.described.memory), regions(dst.described.memory))
+    np.testing.assert_array_equal(dst.layers[SW], before)
+    np.testing.assert_array_equal(dst.layers[FULL][[2, 3]], src.layers[FULL][[0, 1]])

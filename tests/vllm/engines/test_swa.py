@@ -1,9 +1,10 @@
 """Sliding-window attention through PdwireConnector: a tiny Gemma3 (two sliding-window layers of
 a 64-token window, one full-attention layer) that vLLM runs with the hybrid allocator, one KV
-cache group per layer. Prefill TP 1 -> decode TP 1 and TP 2: tokens equal to one engine, and
-the prefill moved only the blocks in the window (counted in bytes and checked against the
-blocks a whole-prompt copy would move). The spec-level cases use vLLM's real cache specs and
-cache managers, no engine.
+cache group per layer, prefill TP 1 -> decode TP 1 and 2, prefill TP 2 -> decode TP 1; and the
+same model with sliding-window layers only (the first window group's live pages are the KV page
+list). Tokens equal one engine's, and the prefill moved only the blocks in the window (its bytes
+sent against the blocks a whole-prompt copy would move). The spec-level cases use vLLM's real
+cache specs and cache managers, no engine.
 """
 
 from __future__ import annotations
@@ -155,45 +156,34 @@ def test_refusals_name_the_kind(cpu_backend: None) -> None:
 
 
 @pytest.fixture(scope="module")
-def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tm.write_sliding_gemma3(tmp_path_factory.mktemp("models") / "sliding"))
+def engines(tmp_path_factory: pytest.TempPathFactory, engine_logs: Path) -> Iterator[dict[str, h.Engine]]:
+    """Every engine of the module, started together: the mixed model (sliding + full) on one
+    engine, as prefill TP 1 and 2 and as decode TP 1 and 2; the sliding-only model on one engine,
+    as prefill and as decode."""
+    base = tmp_path_factory.mktemp("models")
+    mixed = str(tm.write_sliding_gemma3(base / "sliding"))
+    alone = str(tm.write_sliding_gemma3(base / "sliding-only", full=False))
 
+    def spec(model: str, name: str, role: str | None = None, tp: int = 1, cpus: str = "0") -> h.EngineSpec:
+        kv = None if role is None else pdwire_config(role)
+        return h.EngineSpec(
+            model, name, tp=tp, cpus="0|1" if tp == 2 else cpus, kv_blocks=256, kv_transfer_config=kv,
+            env=PDWIRE_ENV if role else {},
+        )  # fmt: skip
 
-@pytest.fixture(scope="module")
-def engines(sliding_model: str, engine_logs: Path) -> Iterator[list[h.Engine]]:
-    started = start(
-        [
-            h.EngineSpec(sliding_model, "swa-single", cpus="0", kv_blocks=256),
-            h.EngineSpec(
-                sliding_model,
-                "swa-pdwire-prefill",
-                cpus="0",
-                kv_blocks=256,
-                kv_transfer_config=pdwire_config("kv_producer"),
-                env=PDWIRE_ENV,
-            ),
-            h.EngineSpec(
-                sliding_model,
-                "swa-pdwire-decode",
-                cpus="1",
-                kv_blocks=256,
-                kv_transfer_config=pdwire_config("kv_consumer"),
-                env=PDWIRE_ENV,
-            ),
-            h.EngineSpec(
-                sliding_model,
-                "swa-pdwire-decode-tp2",
-                tp=2,
-                cpus="0|1",
-                kv_blocks=256,
-                kv_transfer_config=pdwire_config("kv_consumer"),
-                env=PDWIRE_ENV,
-            ),
-        ],
-        engine_logs,
-    )
+    specs = {
+        "single": spec(mixed, "swa-single"),
+        "prefill": spec(mixed, "swa-prefill", "kv_producer"),
+        "prefill-tp2": spec(mixed, "swa-prefill-tp2", "kv_producer", tp=2),
+        "decode": spec(mixed, "swa-decode", "kv_consumer", cpus="1"),
+        "decode-tp2": spec(mixed, "swa-decode-tp2", "kv_consumer", tp=2),
+        "alone-single": spec(alone, "swa-only-single", cpus="1"),
+        "alone-prefill": spec(alone, "swa-only-prefill", "kv_producer"),
+        "alone-decode": spec(alone, "swa-only-decode", "kv_consumer", cpus="1"),
+    }
+    started = start(list(specs.values()), engine_logs)
     try:
-        yield started
+        yield dict(zip(specs, started, strict=True))
     finally:
         for e in started:
             e.close()
@@ -207,28 +197,55 @@ def prompts() -> dict[str, list[int]]:
     return out
 
 
+def _pd(
+    engines: dict[str, h.Engine], prefix: str, prefill: str, decode: str, prompts: dict[str, list[int]]
+) -> dict[str, int]:
+    """Prompts through prefill then decode; tokens must equal one engine's. Returns the prefill
+    rank's byte count for the run (0 when its worker runs in another process, TP 2)."""
+    p, d = engines[prefill], engines[decode]
+    expected = h.tokens(h.run_single(engines[f"{prefix}single"], prompts, MAX_TOKENS))
+    assert len({tuple(t) for t in expected.values()}) == len(prompts)  # the model's output varies
+    before, decode_before = p.connector_stats(), d.connector_stats()
+    pre, results = h.run_pd(p, d, prompts, MAX_TOKENS)
+    assert h.tokens(results) == expected
+    after, decode_after = p.connector_stats(), d.connector_stats()
+    if decode_after:  # a TP 1 decode: its worker answers in the engine process
+        assert decode_after["failures"] == []
+        assert decode_after["rooms_ok"] - decode_before["rooms_ok"] == len(prompts)
+    for rid, r in pre.items():  # prefill stops one token short
+        assert r.kv_transfer_params is not None
+        assert r.kv_transfer_params["pdwire_num_tokens"] == len(prompts[rid]) - 1
+    assert settle(lambda: kv_usage(p) == 0 and kv_usage(d) == 0)
+    if not after:
+        return {}
+    assert after["failures"] == [] and after["rooms_ok"] - before["rooms_ok"] == len(prompts)
+    return {"bytes": after["bytes_posted"] - before["bytes_posted"]}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("decode_tp", [1, 2])
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [("prefill", "decode"), ("prefill", "decode-tp2"), ("prefill-tp2", "decode")]
+)
 def test_sliding_window_moves_only_the_window_and_tokens_equal_one_engine(
-    engines: list[h.Engine], prompts: dict[str, list[int]], decode_tp: int
+    engines: dict[str, h.Engine], prompts: dict[str, list[int]], prefill: str, decode: str
 ) -> None:
-    single, prefill, decode, decode_tp2 = engines
-    target = decode if decode_tp == 1 else decode_tp2
-    expected = h.tokens(h.run_single(single, prompts, MAX_TOKENS))
-    assert len({tuple(t) for t in expected.values()}) == len(prompts)  # the model's output varies
-    before = prefill.connector_stats()
-    pre, results = h.run_pd(prefill, target, prompts, MAX_TOKENS)
-    assert h.tokens(results) == expected
-    after = prefill.connector_stats()
-    assert after["failures"] == [] and after["rooms_ok"] - before["rooms_ok"] == len(prompts)
-    ns = {rid: len(p) - 1 for rid, p in prompts.items()}  # prefill stops one token short
-    for rid, r in pre.items():
-        assert r.kv_transfer_params is not None and r.kv_transfer_params["pdwire_num_tokens"] == ns[rid]
+    sent = _pd(engines, "", prefill, decode, prompts)
+    if prefill == "prefill-tp2":
+        return  # its ranks' counters live in vLLM's worker processes
+    ns = [len(p) - 1 for p in prompts.values()]
     # per request: the full-attention layer's blocks of the prompt, and per sliding layer the
     # blocks in the window only (a whole-prompt copy moves 3 x the prompt's blocks)
-    window = sum(math.ceil(n / BS) + 2 * _live(n) for n in ns.values()) * BLOCK_BYTES
-    whole = sum(3 * math.ceil(n / BS) for n in ns.values()) * BLOCK_BYTES
-    assert window < whole
-    assert after["bytes_posted"] - before["bytes_posted"] == window
-    assert settle(lambda: kv_usage(prefill) == 0 and kv_usage(target) == 0)
+    window = sum(math.ceil(n / BS) + 2 * _live(n) for n in ns) * BLOCK_BYTES
+    whole = sum(3 * math.ceil(n / BS) for n in ns) * BLOCK_BYTES
+    assert window < whole and sent["bytes"] == window
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_model_of_sliding_window_layers_only_moves_its_windows(
+    engines: dict[str, h.Engine], prompts: dict[str, list[int]]
+) -> None:
+    sent = _pd(engines, "alone-", "alone-prefill", "alone-decode", prompts)
+    window = sum(3 * _live(len(p) - 1) for p in prompts.values()) * BLOCK_BYTES
+    assert sent["bytes"] == window
