@@ -480,7 +480,6 @@ def layer_tensor(name: str, t: Any) -> LayerTensor:
 def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
     """vLLM's transfer groups as :data:`Group` values (None for kinds not transferred)."""
     import torch
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -511,19 +510,8 @@ def vllm_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group | None]:
                 )
             )
         elif isinstance(spec, MambaSpec):
-            state_bytes = tuple(
-                math.prod(s) * torch.empty((), dtype=d).element_size()
-                for s, d in zip(spec.shapes, spec.dtypes, strict=True)
-            )
-            out.append(
-                MambaGroup(
-                    layers,
-                    tuple(tuple(int(x) for x in s) for s in spec.shapes),
-                    state_bytes,
-                    _mamba2_conv_split(vllm_config, spec),
-                    bool(is_conv_state_dim_first()),
-                )
-            )
+            tp = int(vllm_config.parallel_config.tensor_parallel_size)
+            out.append(mamba_group(spec, layers, tp, vllm_config.model_config.hf_text_config))
         elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
             out.append(_window_group(vllm_config, spec, layers))
         else:
@@ -603,13 +591,45 @@ def _kv_per_token(vllm_config: Any, layers: tuple[str, ...]) -> bool:
     return all(b.get_name() != "CPU_ATTN" for b in get_current_attn_backends(vllm_config, list(layers)))
 
 
-def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
-    """Mamba2's conv channels x | B | C at full size, when they shard evenly over TP."""
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+def mamba_group(spec: Any, layers: tuple[str, ...], tp: int, hf: Any) -> MambaGroup:
+    """A vLLM ``MambaSpec`` (any ``mamba_type``) as a :class:`MambaGroup`; ``hf``: the model's HF
+    text config (Mamba2's groups are read off it)."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2 or len(spec.shapes) != 2:
+    state_bytes = tuple(
+        math.prod(s) * torch.empty((), dtype=d).element_size()
+        for s, d in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+    dim_first = bool(is_conv_state_dim_first())
+    shapes = tuple(tuple(int(x) for x in s) for s in spec.shapes)
+    return MambaGroup(layers, shapes, state_bytes, conv_split(spec, shapes, tp, hf, dim_first), dim_first)
+
+
+def conv_split(
+    spec: Any, shapes: tuple[tuple[int, ...], ...], tp: int, hf: Any, dim_first: bool
+) -> tuple[int, ...] | None:
+    """The conv state's channel sections at full size, each sharded over TP on its own (the
+    temporal state, if any, sharded by its first axis); None where the split is not clean (vLLM
+    replicates Mamba2 groups over ranks) or the kind unknown: such state moves between equal TP
+    sizes only, and the handshake refuses other pairs by name.
+
+    Mamba1 and short conv: one section; Mamba2: x | B | C; GDN (Qwen3-Next): q | k | v, read off
+    the local shapes (the temporal state is ``[v_heads / TP, head_v_dim, head_k_dim]``)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
+
+    channels = shapes[0][0] if dim_first else shapes[0][-1]
+    kind = spec.mamba_type
+    if kind in (Kind.MAMBA1, Kind.SHORT_CONV) and len(shapes) == (2 if kind == Kind.MAMBA1 else 1):
+        return (channels * tp,)
+    if kind == Kind.GDN_ATTN and len(shapes) == 2 and len(shapes[1]) == 3:
+        value = shapes[1][0] * shapes[1][1]
+        key2 = channels - value
+        if key2 <= 0 or key2 % 2:
+            return None
+        return (key2 // 2 * tp, key2 // 2 * tp, value * tp)
+    if kind != Kind.MAMBA2 or len(shapes) != 2:
         return None
-    hf = vllm_config.model_config.hf_text_config
 
     def first(*names: str) -> Any:  # the HF configs of Mamba2 models spell these differently
         return next((getattr(hf, a) for a in names if getattr(hf, a, None)), None)
@@ -617,8 +637,7 @@ def _mamba2_conv_split(vllm_config: Any, spec: Any) -> tuple[int, ...] | None:
     groups = first("mamba_n_groups", "n_groups")
     heads = first("mamba_n_heads", "mamba_num_heads", "n_heads")
     d_state = first("mamba_d_state", "ssm_state_size", "state_size")
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    ssm_heads_local, head_dim = spec.shapes[1][0], spec.shapes[1][1]
+    ssm_heads_local, head_dim = shapes[1][0], shapes[1][1]
     if groups is None or heads is None or d_state is None or groups % tp or heads % tp:
         return None  # vLLM replicates groups over ranks then: not a clean split
     if ssm_heads_local * tp != heads:
