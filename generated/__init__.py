@@ -3,7 +3,7 @@
 """``pdwire.wire``: generated codecs of the pdwire control protocol (newest: 1.5).
 
 Messages (newest model): ``Hello``, ``RegisterInfo``, ``TransferRequest``, ``TransferStatus``,
-``Notification``, ``Abort``, ``AbortAck``, ``RegisterAck``.
+``Notification``, ``Abort``, ``AbortAck``, ``RegisterAck``, ``Lease``.
 Enums: ``Role``, ``KvLayout``, ``StateType``, ``Status``, ``NotificationKind``, ``FailureKind``,
 ``StateIndexing``, ``StateSharding``.
 API::
@@ -71,6 +71,7 @@ from .v1 import (
     HeadSharding,
     Hello,
     KvLayout,
+    Lease,
     ModelFingerprint,
     Notification,
     NotificationKind,
@@ -112,6 +113,7 @@ __all__ = [
     "HeaderError",
     "Hello",
     "KvLayout",
+    "Lease",
     "Message",
     "ModelFingerprint",
     "NegotiationError",

@@ -38,6 +38,7 @@ MESSAGES: Final[dict[str, Version]] = {
     "Abort": (1, 0),
     "AbortAck": (1, 0),
     "RegisterAck": (1, 2),
+    "Lease": (1, 5),
 }
 
 # (message, field) -> the version the field appeared in (a field added with its message shares its since)
@@ -167,6 +168,8 @@ FIELDS: Final[dict[tuple[str, str], Version]] = {
     ("RegisterAck", "kv_layers"): (1, 4),
     ("RegisterAck", "state_layers"): (1, 4),
     ("RegisterAck", "kv_heads"): (1, 4),
+    ("RegisterAck", "lease_ms"): (1, 5),
+    ("Lease", "rooms"): (1, 5),
 }
 
 # (message, field) -> the version writers stopped sending it in

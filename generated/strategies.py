@@ -268,7 +268,16 @@ def _v1_RegisterAck(v: int) -> st.SearchStrategy[v1.RegisterAck]:
         fields["kv_layers"] = _array(_a.U32)
         fields["state_layers"] = st.lists(_array(_a.U32), max_size=4)
         fields["kv_heads"] = st.none() | _v1_HeadSharding(v)
+    if v >= 5:
+        fields["lease_ms"] = st.integers(0, 4294967295)
     return st.builds(v1.RegisterAck, **fields)
+
+
+def _v1_Lease(v: int) -> st.SearchStrategy[v1.Lease]:
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    if v >= 5:
+        fields["rooms"] = _array(_a.U64)
+    return st.builds(v1.Lease, **fields)
 
 
 STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]]] = {
@@ -329,5 +338,6 @@ STRATEGIES: dict[tuple[int, int], dict[str, Callable[[], st.SearchStrategy[Any]]
         "Abort": lambda: _v1_Abort(5),
         "AbortAck": lambda: _v1_AbortAck(5),
         "RegisterAck": lambda: _v1_RegisterAck(5),
+        "Lease": lambda: _v1_Lease(5),
     },
 }

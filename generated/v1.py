@@ -82,7 +82,15 @@ side per token and head (vLLM's GPU backends, in LBHNC or LBNHC order) slice by 
 TP size; HeadSharding gains both strides, so a head-sharded state component (sliding-window K
 and V) laid out that way travels whole. A 1.5 writer talking to a 1.4 peer refuses
 (DowngradeError) a non-default token stride and the HeadSharding strides, and the handshake
-refuses such a peer by name (as it refuses an NHD head stride, which 1.4 does not know).
+refuses such a peer by name (as it refuses an NHD head stride, which 1.4 does not know). Leases:
+a prefill rank holds a room no decode rank asked for yet for RegisterAck.lease_ms (its room
+timeout) from its production or from the last Lease naming it; a decode rank whose engine still
+holds the request (queued, no memory allocated yet) renews it with Lease, one message per
+prefill rank and renewal interval naming every such room, so a decode queue longer than the room
+timeout no longer fails its requests. A room the decode engine will never ask for (aborted,
+computed locally) is declined with Abort as before. A 1.4 peer sends and reads no Lease: a 1.4
+prefill rank's RegisterAck carries no lease_ms (0) and a 1.5 decode rank renews nothing there; a
+1.4 decode rank renews nothing and its rooms keep the fixed room timeout.
 
 """
 
@@ -2681,6 +2689,10 @@ class RegisterAck(_Model, kw_only=True):
     """Since 1.4. the accepting rank's KV head geometry, from which a decode rank computes where
     scattered bytes go (null: no KV, MLA)
     """
+    lease_ms: int = 0
+    """Since 1.5. how long the accepting rank holds a room no decode rank asked for, from its
+    production or its last Lease (0: it takes no Lease)
+    """
 
 
 class _W_RegisterAck(msgspec.Struct, array_like=True, kw_only=True, gc=False):
@@ -2694,6 +2706,7 @@ class _W_RegisterAck(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     kv_layers: _t.ArrayRef = b""
     state_layers: list[_t.ArrayRef] = msgspec.field(default_factory=list)
     kv_heads: _W_HeadSharding | None = None
+    lease_ms: _t.U32 = 0
 
 
 _SCALARS_RegisterAck: tuple[_env.Scalar, ...] = (
@@ -2701,6 +2714,7 @@ _SCALARS_RegisterAck: tuple[_env.Scalar, ...] = (
     ("sender_rank", "int", 0, 4294967295),
     ("failure_kind", "enum", FailureKind, None),
     ("reason", "str", None, None),
+    ("lease_ms", "int", 0, 4294967295),
 )
 
 
@@ -2711,8 +2725,10 @@ def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
         and 0 <= x1 <= 4294967295
         and type(x2 := m.failure_kind) is FailureKind
         and type(x3 := m.reason) is str
+        and type(x7 := m.lease_ms) is int
+        and 0 <= x7 <= 4294967295
     ):
-        x0, x1, x2, x3 = _env.refuse_scalars(m, "RegisterAck", _SCALARS_RegisterAck)
+        x0, x1, x2, x3, x7 = _env.refuse_scalars(m, "RegisterAck", _SCALARS_RegisterAck)
     x4 = (
         (
             t4.tobytes()
@@ -2746,6 +2762,7 @@ def _enc_RegisterAck(m: RegisterAck, side: _a.SideFrames | None) -> list[Any]:
         x4,
         x5,
         x6,
+        x7,
     ]
 
 
@@ -2758,6 +2775,7 @@ def _dec_RegisterAck(w: _W_RegisterAck, c: _a.Cursor) -> RegisterAck:
         kv_layers=_view(w.kv_layers, _U32, 4, c, "kv_layers"),
         state_layers=[_view(e0, _U32, 4, c, "state_layers[]") for e0 in w.state_layers],
         kv_heads=(None if w.kv_heads is None else _dec_HeadSharding(w.kv_heads, c)),
+        lease_ms=w.lease_ms,
     )
 
 
@@ -2787,6 +2805,7 @@ def _fdec_RegisterAck(w: _W_RegisterAck, f: _a.Frames, i: int) -> tuple[Register
         kv_layers=x4,
         state_layers=x5,
         kv_heads=x6,
+        lease_ms=w.lease_ms,
     ), i
 
 
@@ -2794,6 +2813,8 @@ def _at_RegisterAck(m: RegisterAck, v: int, old: dict[str, Any] | None = None) -
     """``m`` as minor ``v`` carries it (``old``: receives the values of removed fields a hook supplies)."""
     if v < 5:
         m = _replace(m, kv_heads=(None if m.kv_heads is None else _at_HeadSharding(m.kv_heads, v)))
+    if v < 5:
+        _absent(m.lease_ms, 0, "RegisterAck.lease_ms", (1, 5), v)
     if v < 4:
         _absent(m.kv_layers, _E_U32, "RegisterAck.kv_layers", (1, 4), v)
         _absent(m.state_layers, [], "RegisterAck.state_layers", (1, 4), v)
@@ -2801,7 +2822,7 @@ def _at_RegisterAck(m: RegisterAck, v: int, old: dict[str, Any] | None = None) -
     return m
 
 
-_LEN_RegisterAck = (0, 0, 4, 4, 7, 7)  # body length at each minor
+_LEN_RegisterAck = (0, 0, 4, 4, 7, 8)  # body length at each minor
 
 
 def _trim_RegisterAck(b: list[Any], v: int) -> None:
@@ -2819,10 +2840,87 @@ _RegisterAck = _env.MessageSpec(
     wire=_W_RegisterAck,
     from_wire=_dec_RegisterAck,
     fast_from_wire=_fdec_RegisterAck,
-    slots=("accepted", "sender_rank", "failure_kind", "reason", "kv_layers", "state_layers", "kv_heads"),
+    slots=(
+        "accepted",
+        "sender_rank",
+        "failure_kind",
+        "reason",
+        "kv_layers",
+        "state_layers",
+        "kv_heads",
+        "lease_ms",
+    ),
     at=_at_RegisterAck,
     trim=_trim_RegisterAck,
     scalars=_SCALARS_RegisterAck,
+)
+
+
+# --- Lease -------------------------------------------------------------------------------------
+class Lease(_Model, kw_only=True):
+    """Decode -> prefill; the decode engine still holds a request for each of these rooms and has not
+    asked for it yet: the prefill rank holds each one RegisterAck.lease_ms longer from now. Rooms it
+    has no record of, rooms asked for and rooms over are left alone.
+    """
+
+    rooms: npt.NDArray[np.uint64] = msgspec.field(default_factory=_a.empty_u64)
+    """Since 1.5."""
+
+
+class _W_Lease(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    # The body on the wire: position = stable field id. Never forbid unknown fields: newer
+    # minors append positions that this build skips. gc=False: decoded from msgpack (a tree,
+    # never a cycle) and dropped at once, so the collector need not track it.
+    rooms: _t.ArrayRef = b""
+
+
+def _enc_Lease(m: Lease, side: _a.SideFrames | None) -> list[Any]:
+    return [
+        (
+            (
+                x0.tobytes()
+                if x0.nbytes < _SIDE_MIN
+                else _push(side, x0)
+                if side is not None and x0.strides[0] == 8
+                else _side_frame(x0, _U64, side, "Lease.rooms")
+            )
+            if type(x0 := m.rooms) is _nd and x0.dtype is _U64 and x0.ndim == 1
+            else _pack(x0, _U64, side, "Lease.rooms")
+        ),
+    ]
+
+
+def _dec_Lease(w: _W_Lease, c: _a.Cursor) -> Lease:
+    return Lease(
+        rooms=_view(w.rooms, _U64, 8, c, "rooms"),
+    )
+
+
+def _fdec_Lease(w: _W_Lease, f: _a.Frames, i: int) -> tuple[Lease, int]:
+    """The fast decoder: ``i`` is the side frame the next array must reference; returns the
+    message and the index after its side frames."""
+    x0 = (
+        _fb(t0, _U64)
+        if type(t0 := w.rooms) is bytes
+        else _fb(f[t0], _U64)
+        if t0 == i and (i := i + 1)
+        else _bail()
+    )
+    return Lease(
+        rooms=x0,
+    ), i
+
+
+_Lease = _env.MessageSpec(
+    name="Lease",
+    type_id=9,
+    since=5,
+    cls=Lease,
+    to_wire=_enc_Lease,
+    wire=_W_Lease,
+    from_wire=_dec_Lease,
+    fast_from_wire=_fdec_Lease,
+    slots=("rooms",),
 )
 
 
@@ -2840,12 +2938,21 @@ CODECS = _env.major_codecs(
         _Abort,
         _AbortAck,
         _RegisterAck,
+        _Lease,
     ],
 )
 """Message codecs by version and type id."""
 
 Message = (
-    Hello | RegisterInfo | TransferRequest | TransferStatus | Notification | Abort | AbortAck | RegisterAck
+    Hello
+    | RegisterInfo
+    | TransferRequest
+    | TransferStatus
+    | Notification
+    | Abort
+    | AbortAck
+    | RegisterAck
+    | Lease
 )
 
 __all__ = [
@@ -2859,6 +2966,7 @@ __all__ = [
     "HeadSharding",
     "Hello",
     "KvLayout",
+    "Lease",
     "Message",
     "ModelFingerprint",
     "Notification",
