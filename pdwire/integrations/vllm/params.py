@@ -4,6 +4,10 @@ The proxy treats them as opaque JSON (the keys are :meth:`PrefillHandle.to_param
 table in docs/vllm.md). Decode checks them (:func:`parse`) before it allocates anything for
 them; a bad value is one :class:`TransferParamsError` naming the key, and the request is
 computed locally instead.
+
+Every value survives a router that holds JSON numbers as doubles (Go's ``map[string]any``,
+JavaScript), as NixlConnector's do (block ids, a port): the room, a 63-bit number, travels as
+a decimal string, so such a router cannot round it into another request's room.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class PrefillHandle:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            ROOM: self.room,
+            ROOM: str(self.room),  # a decimal string: exact through any JSON router (above)
             "pdwire_engine_id": self.engine_id,
             "pdwire_endpoints": list(self.endpoints),
             "pdwire_pp_size": self.pp_size,
@@ -61,11 +65,23 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int = 2**64 - 1) -> i
     return value
 
 
+def _room(params: Mapping[str, Any]) -> int:
+    """The room: a decimal string, or an int (what an older prefill sends) as well."""
+    value = params.get(ROOM)
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit()):
+            raise TransferParamsError(
+                f"kv_transfer_params[{ROOM!r}] must be a decimal string, got {value!r:.40}"
+            )
+        return _int({ROOM: int(value)}, ROOM, 1)
+    return _int(params, ROOM, 1)
+
+
 def parse(params: Mapping[str, Any]) -> PrefillHandle:
     """The prefill handle in ``params``; raises :class:`TransferParamsError` naming a bad key."""
     if not isinstance(params, Mapping):
         raise TransferParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
-    room = _int(params, ROOM, 1)
+    room = _room(params)
     engine_id = params.get("pdwire_engine_id")
     if not isinstance(engine_id, str) or not engine_id:
         raise TransferParamsError(

@@ -11,6 +11,12 @@ count) and send the original request with them to a decode server, whose answer 
 not) goes back to the client. Several ``--prefill`` / ``--decode`` servers are used round robin.
 The parameters are opaque to the proxy: any connector that returns them works the same way.
 
+It does what routers written for NixlConnector do (vLLM's toy proxy, llm-d's routing sidecar),
+so either fronts a pdwire deployment: the answer's parameters go to decode whole and untouched;
+``min_tokens`` / ``min_completion_tokens`` stay off the one-token prefill request (vLLM refuses
+them above ``max_tokens``) and reach decode; both legs carry one ``X-Request-Id`` (the
+client's, else a new one) so the two servers' logs name the same request.
+
 The request rewriting is pure (:func:`prefill_body`, :func:`decode_body`) and the server is
 aiohttp (a vLLM dependency).
 """
@@ -19,10 +25,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# what a one-token prefill request must not carry (vLLM refuses a minimum above max_tokens)
+DECODE_ONLY = ("min_tokens", "min_completion_tokens", "stream_options")
+FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
 class ProxyError(RuntimeError):
@@ -34,7 +44,8 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(body)
     out["kv_transfer_params"] = {"do_remote_decode": True}
     out["stream"] = False
-    out.pop("stream_options", None)
+    for key in DECODE_ONLY:
+        out.pop(key, None)
     for key in ("max_tokens", "max_completion_tokens"):
         if key in out or key == "max_tokens":
             out[key] = 1
@@ -52,6 +63,14 @@ def decode_body(
         )
     out = dict(body)
     out["kv_transfer_params"] = dict(params)
+    return out
+
+
+def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers both servers get: its authorization, and one request id for both legs."""
+    out = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+    if not any(k.lower() == "x-request-id" for k in out):
+        out["X-Request-Id"] = str(uuid.uuid4())
     return out
 
 
@@ -80,7 +99,7 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 6
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         session = request.app[session_key]
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        headers = forward_headers(request.headers)
         p_url = next(prefills) + request.path
         async with session.post(p_url, json=prefill_body(body), headers=headers) as resp:
             if resp.status != 200:

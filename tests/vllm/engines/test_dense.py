@@ -135,7 +135,8 @@ def test_a_decode_request_aborted_while_its_room_is_live_frees_its_blocks_once_f
     prompt = next(iter(dense_prompts.values()))
     (real,) = engines.prefill.generate([h.prefill_request("abort-probe", prompt)]).values()
     assert real.kv_transfer_params is not None
-    params = dict(real.kv_transfer_params, pdwire_room=real.kv_transfer_params["pdwire_room"] ^ 0x5A5A)
+    room = int(real.kv_transfer_params["pdwire_room"]) ^ 0x5A5A
+    params = dict(real.kv_transfer_params, pdwire_room=str(room))
     decode = engines.decode
     decode.submit([h.decode_request("aborted", prompt, MAX_TOKENS, params)])
     assert settle(lambda: kv_usage(decode) > 0, 30)  # its blocks are allocated, waiting for KV
