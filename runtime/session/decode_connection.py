@@ -14,6 +14,7 @@ meanwhile; only a ready connection takes new rooms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,7 @@ from pdwire.runtime.session.events import (
 from pdwire.runtime.session.failures import Failure, HandshakeError, failure_from_wire
 from pdwire.runtime.session.hello import (
     LAYOUTS_SINCE,
+    LEASES_SINCE,
     REGISTER_ACK_SINCE,
     check_descriptors,
     check_hello,
@@ -110,6 +112,9 @@ class DecodeConnection:
         # this rank computes where its staged bytes go (None: it sent none, it does not scatter)
         self.prefill_heads: HeadGeometry | None = None
         self.prefill_kv_layers: tuple[int, ...] = ()
+        # from the RegisterAck (1.5): how long the prefill rank holds a room nobody asked for,
+        # renewed by a Lease (0: it takes none)
+        self.lease_s = 0.0
 
     @property
     def ready(self) -> bool:
@@ -262,6 +267,8 @@ class DecodeConnection:
                 self.prefill_heads = None if msg.kv_heads is None else heads_from_wire(msg.kv_heads)
             except ValueError:  # a value outside the enum: no scatter from this rank
                 self.prefill_heads = None
+        if self.version >= LEASES_SINCE and isinstance(msg, wire.RegisterAck):
+            self.lease_s = int(msg.lease_ms) / 1000
         return [Ready(self.peer, self.position, self.version, layers)]
 
     def _on_room_message(self, msg: wire.Message) -> list[DecodeEvent]:
@@ -305,3 +312,7 @@ class DecodeConnection:
 
     def abort(self, room: int, failure: Failure) -> wire.Abort:
         return wire.Abort(room=room, sender=self.local.endpoint, reason=failure.reason)
+
+    def lease(self, rooms: Sequence[int]) -> wire.Lease:
+        """Renew ``rooms`` (only for a peer whose :attr:`lease_s` is not 0: it agreed on 1.5)."""
+        return wire.Lease(rooms=np.asarray(rooms, dtype=np.uint64))

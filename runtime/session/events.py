@@ -70,6 +70,14 @@ class AbortRequested:
     peer: PeerRef
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    """The peer's engine still holds a request for each of ``rooms`` and has not asked yet."""
+
+    rooms: tuple[int, ...]
+    peer: PeerRef
+
+
 # --- decode side: one prefill rank -------------------------------------------------------
 
 
@@ -124,7 +132,7 @@ class AbortAcked:
     sender: int
 
 
-PrefillEvent = Send | Problem | AddPeer | Registered | Requested | AbortRequested
+PrefillEvent = Send | Problem | AddPeer | Registered | Requested | AbortRequested | LeaseRenewed
 DecodeEvent = Send | Problem | Ready | Refused | StatusReceived | Completed | AbortAcked
 
 

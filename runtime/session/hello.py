@@ -100,6 +100,9 @@ FENCE_SINCE = features.promise_since("fenced_failures")  # Failed and AbortAck c
 # SGLang's state kinds and row indexing, aliased registrations, every MLA prefill rank writing
 # its state shard, several parts in one write, the layers a prefill rank holds, decode-side scatter
 LAYOUTS_SINCE = features.field_since("StateComponent", "tensor_layouts")
+# 1.5: a prefill rank says how long it holds a room nobody asked for (RegisterAck.lease_ms) and
+# takes Lease, which renews that hold for rooms a decode engine still queues
+LEASES_SINCE = features.message_since("Lease")
 
 
 def check_descriptors(version: tuple[int, int], backend: str, by_descriptor: bool, peer: str) -> None:

@@ -29,6 +29,7 @@ from pdwire.runtime.session.actions import AuxPart, KvPart, Part, PeerRef, State
 from pdwire.runtime.session.events import (
     AbortRequested,
     AddPeer,
+    LeaseRenewed,
     PrefillEvent,
     Problem,
     Registered,
@@ -38,12 +39,13 @@ from pdwire.runtime.session.events import (
 from pdwire.runtime.session.failures import Failure, FailureKind, HandshakeError, failure_to_wire
 from pdwire.runtime.session.hello import (
     LAYOUTS_SINCE,
+    LEASES_SINCE,
     REGISTER_ACK_SINCE,
     check_descriptors,
     check_hello,
     rank_of,
 )
-from pdwire.runtime.session.message_bounds import MessageLimits, MessageTooLarge, peer_limits
+from pdwire.runtime.session.message_bounds import U32_MAX, MessageLimits, MessageTooLarge, peer_limits
 from pdwire.runtime.session.prefill_room import Destination, Target
 from pdwire.runtime.session.registration import (
     check_layout_version,
@@ -65,6 +67,7 @@ class PrefillLocal:
     sender_rank: int
     backend_name: str
     by_descriptor: bool  # the backend addresses memory by descriptor (MoRI)
+    lease_s: float = 0.0  # how long a room nobody asked for is held (the room timeout); 0: no leases
 
     @property
     def page_size(self) -> int:
@@ -107,6 +110,9 @@ class PrefillConnection:
             return self._on_request(msg)
         if isinstance(msg, wire.Abort):
             return [] if self.peer is None else [AbortRequested(int(msg.room), self.peer)]
+        if isinstance(msg, wire.Lease):
+            # like an Abort, from any peer whose Hello passed: a room has no owner before a request
+            return [] if self.peer is None else [LeaseRenewed(tuple(int(r) for r in msg.rooms), self.peer)]
         return [Problem(f"unexpected {type(msg).__name__} from decode peer {self.peer or '(no Hello yet)'}")]
 
     def oversized(self, frames: Sequence[bytes]) -> MessageTooLarge | None:
@@ -229,6 +235,8 @@ class PrefillConnection:
                 layers["kv_layers"] = np.asarray(held.kv, np.uint32)
                 layers["state_layers"] = [np.asarray(ids, np.uint32) for ids in held.state]
                 layers["kv_heads"] = kv_heads_to_wire(self.local.memory)  # decode scatters with it
+            if failure is None and self.version >= LEASES_SINCE:
+                layers["lease_ms"] = min(round(self.local.lease_s * 1000), U32_MAX)  # decode renews by it
             return wire.RegisterAck(
                 accepted=failure is None, sender_rank=rank, failure_kind=kind, reason=reason, **layers
             )

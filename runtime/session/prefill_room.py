@@ -208,6 +208,17 @@ class PrefillRoom:
             return []
         return self._fail(Failure(FailureKind.ABORTED, f"aborted by {peer}"), skip=peer, ack=peer)
 
+    def renew(self, peer: PeerRef, until: float) -> bool:
+        """A decode engine still holds the request for this room (a Lease): the room waits for
+        its requests until ``until`` at least. Only a room still waiting for requests, and only
+        for the engine its requests came from (if any); whether it was renewed."""
+        if self.finished or self.all_requests_in:
+            return False
+        if self.targets and peer.engine_id not in {p.engine_id for p in self.targets}:
+            return False
+        self.deadline = max(self.deadline, until)
+        return True
+
     def on_peer_lost(self, peer: PeerRef) -> list[Action]:
         if peer not in self.targets or (self.finished and not self.draining):
             return []

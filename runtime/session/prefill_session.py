@@ -149,6 +149,14 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
             return [SendAbortAck(peer, room)]
         return self._settle(r.on_abort(peer))
 
+    def on_lease(self, rooms: Sequence[int], peer: PeerRef, now: float) -> int:
+        """``peer``'s engine still holds a request for each of ``rooms``: each live room waiting
+        for requests is held ``room_timeout_s`` from ``now`` (:meth:`PrefillRoom.renew`). A room
+        not produced yet or already over is left alone (a new room gets its full timeout; an
+        expired one stays failed). Returns how many rooms were renewed."""
+        until = now + self.room_timeout_s
+        return sum(1 for room in rooms if (r := self.rooms.get(room)) is not None and r.renew(peer, until))
+
     def fail_room(self, room: int, failure: Failure) -> list[Action]:
         r = self.rooms.get(room)
         return [] if r is None else self._settle(r.fail(failure))

@@ -174,12 +174,20 @@ class DecodeWorker(RankEdge):
         started (or one already over) is left alone; :meth:`decline` tells prefill not to wait."""
         self.rooms.abort(room, reason)
 
+    def hold(self, room: int, prefill: PrefillGroup) -> None:
+        """The engine queues a request for ``room`` (its memory not allocated yet): renew
+        ``prefill``'s lease on the room (protocol 1.5) until :meth:`start_room` or :meth:`decline`
+        names it, so it outlives the prefill's room timeout while the request waits here. A
+        group still connecting is renewed once it is ready; a failed one not at all."""
+        self.rooms.hold(room, prefill)
+
     def decline(
         self, room: int, prefill: PrefillGroup, reason: str = "declined by the decode engine"
     ) -> None:
         """Tell ``prefill`` that this rank will never ask for ``room``: its prefill ranks fail the
-        room now instead of at its timeout and refuse a later request for it. No callback fires
-        here; a room live on this rank is aborted instead (:meth:`abort`)."""
+        room now instead of at its timeout and refuse a later request for it; a group still
+        connecting is told once it is ready (a failed one never: the room times out there). No
+        callback fires here; a room live on this rank is aborted instead (:meth:`abort`)."""
         self.rooms.decline(room, prefill, reason)
 
     def status(self, room: int) -> Status | None:
@@ -230,6 +238,8 @@ class DecodeWorker(RankEdge):
         self.links.on_tick(now)
         if self.rooms.has_awaiting:
             self.rooms.start_awaiting(now)
+        if self.rooms.has_leases:
+            self.rooms.renew(now)
         if self.session.rooms or self.session.quarantined:
             self.rooms.run(self.session.on_tick(now))
         if self.rooms.has_refused:  # held rooms that failed in this step

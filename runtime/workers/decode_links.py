@@ -127,6 +127,8 @@ class DecodeStats:
     scattered_pages: int = 0  # KV pages copied out of the receive staging buffer into place
     scattered_bytes: int = 0
     scatter_s: float = 0.0  # time in those copies
+    leases_sent: int = 0  # Lease messages: rooms the engine still queues, renewed on a prefill rank
+    declines_sent: int = 0  # rooms declined (never to be asked for), each told to its prefill group
 
 
 @dataclass(eq=False)

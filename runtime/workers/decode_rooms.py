@@ -35,6 +35,8 @@ from pdwire.runtime.session.events import (
     completion,
 )
 from pdwire.runtime.session.failures import DuplicateRoomError, Failure, FailureKind
+from pdwire.runtime.session.leases import Leases, renewal_interval
+from pdwire.runtime.session.states import GroupState
 from pdwire.runtime.session.status import Status
 from pdwire.runtime.staging import CopyError
 from pdwire.runtime.workers.decode_links import Connecting, DecodeLinks, DecodeStats, Link, PrefillGroup
@@ -72,6 +74,8 @@ class DecodeRooms:
         self._held: dict[int, Connecting] = {}  # rooms waiting for their group to be ready
         # rooms waiting for a rank of a ready group to register again after its revocation
         self._awaiting: dict[int, tuple[RequestIndices, PrefillGroup, float]] = {}
+        self.leases: Leases[PrefillGroup] = Leases()  # rooms the engine queues, renewed on their group
+        self._declines: dict[int, tuple[PrefillGroup, str]] = {}  # declined while their group connects
 
     # ------------------------------------------------------------------ starting
 
@@ -83,6 +87,7 @@ class DecodeRooms:
         self.check_free(room)
         if not isinstance(prefill, PrefillGroup):
             raise ConfigError(f"start_room takes the PrefillGroup connect() returned, got {prefill!r}")
+        self.leases.drop(room)  # asked for now: its request holds it on prefill
         self._check_indices(indices)
         timeout = self.config.room_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -226,16 +231,60 @@ class DecodeRooms:
             return
         self.run(self.session.abort(check_room(room), Failure(FailureKind.ABORTED, reason)))
 
+    def hold(self, room: int, prefill: PrefillGroup) -> None:
+        """See :meth:`DecodeWorker.hold`."""
+        room = check_room(room)
+        if not isinstance(prefill, PrefillGroup):
+            raise ConfigError(f"hold takes the PrefillGroup connect() returned, got {prefill!r}")
+        if prefill.failed:
+            return  # nothing to renew it on (a request for it reconnects)
+        self.leases.hold(room, prefill)
+
+    def renew(self, now: float) -> None:
+        """Send the renewals due (:mod:`.session.leases`) and the declines whose group is ready."""
+        for room, (group, reason) in list(self._declines.items()):
+            if group.state is not GroupState.CONNECTING:
+                del self._declines[room]
+                if group.ready:
+                    self._send_decline(room, group, reason)
+        for group in [g for g in self.leases.groups if g.failed]:
+            self.leases.forget(group)
+        for r in self.leases.due(now, self._renewal_interval):
+            for link in self._lease_links(r.group):
+                self.links.send(link, link.conn.lease(r.rooms), link.conn.version)
+                self.stats.leases_sent += 1
+
+    def _lease_links(self, group: PrefillGroup) -> list[Link]:
+        """The ready links to ``group``'s ranks that take leases (1.5)."""
+        links = (self.links.registered.get(peer) for peer in self.links.route_of(group).peers)
+        return [lk for lk in links if lk is not None and lk.conn.ready and lk.conn.lease_s > 0]
+
+    def _renewal_interval(self, group: PrefillGroup) -> float | None:
+        if not group.ready:
+            return None
+        return renewal_interval([lk.conn.lease_s for lk in self._lease_links(group)])
+
+    @property
+    def has_leases(self) -> bool:
+        return bool(self.leases) or bool(self._declines)
+
     def decline(self, room: int, prefill: PrefillGroup, reason: str) -> None:
         """See :meth:`DecodeWorker.decline`."""
         room = check_room(room)
+        self.leases.drop(room)
         if room in self.session.rooms or self._waiting(room):
             self.abort(room, reason)
             return
         if not isinstance(prefill, PrefillGroup):
             raise ConfigError(f"decline takes the PrefillGroup connect() returned, got {prefill!r}")
-        if not prefill.ready:
-            raise ConfigError(f"{prefill} is not connected (yet): prefill cannot have seen the room")
+        if prefill.state is GroupState.CONNECTING:
+            self._declines[room] = (prefill, reason)  # sent once it is ready (renew)
+            return
+        if prefill.ready:
+            self._send_decline(room, prefill, reason)
+
+    def _send_decline(self, room: int, prefill: PrefillGroup, reason: str) -> None:
+        self.stats.declines_sent += 1
         failure = Failure(FailureKind.ABORTED, reason)
         for peer in self.links.route_of(prefill).peers:
             link = self.links.registered.get(peer)

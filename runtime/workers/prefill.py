@@ -47,6 +47,7 @@ from pdwire.runtime.session.actions import (
 from pdwire.runtime.session.events import (
     AbortRequested,
     AddPeer,
+    LeaseRenewed,
     PrefillEvent,
     Problem,
     Registered,
@@ -115,6 +116,8 @@ class PrefillStats:
     restarts: int = 0  # registrations taken over from an older connection of the same decode rank
     takeovers_refused: int = 0  # registrations refused: the rank is registered on a live connection
     messages_too_large: int = 0  # messages past the largest legal one for their peer's registration
+    leases: int = 0  # Lease messages: decode engines renewing rooms they still queue
+    rooms_renewed: int = 0  # rooms those renewed (waiting for requests, held room_timeout_s longer)
 
 
 @dataclass
@@ -193,7 +196,9 @@ class PrefillWorker(RankEdge):
         self.sender_rank = config.rank.sender_rank
         self.on_released = on_released
         self.stats = PrefillStats()
-        self._local = PrefillLocal(self.hello, memory, self.sender_rank, self.backend.name, by_descriptor)
+        self._local = PrefillLocal(
+            self.hello, memory, self.sender_rank, self.backend.name, by_descriptor, config.room_timeout_s
+        )
         self._conns: dict[bytes, PrefillConnection] = {}  # ROUTER identity -> its connection
         self._key_of: dict[bytes, bytes] = {}  # ROUTER identity -> the CURVE key it authenticated with
         # rooms of a restarted peer's old incarnation: told Failed on its old connection once released
@@ -448,6 +453,9 @@ class PrefillWorker(RankEdge):
                 self._run(self.session.on_request(e.room, e.target, e.required, time.monotonic()))
             elif isinstance(e, AbortRequested):
                 self._run(self.session.on_abort(e.room, e.peer))
+            elif isinstance(e, LeaseRenewed):
+                self.stats.leases += 1
+                self.stats.rooms_renewed += self.session.on_lease(e.rooms, e.peer, time.monotonic())
             else:
                 assert isinstance(e, Registered)
 
