@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -151,6 +151,13 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         self.dist_init_addr = parallel.dist_init_addr
         self.load_balance_method = parallel.load_balance_method
+        # DP groups as SGLang's bootstrap server files prefill ranks: attention DP groups, or the
+        # replicas of a DP controller (one of the two is 1); each its own identity to its peers
+        self.num_dp_ranks = int(
+            getattr(parallel, "num_dp_ranks", 0) or self.system_dp_size * self.attn_dp_size
+        )
+        self.dp_group = self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
+        self.force_query_dp_rank = bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get())
         self.bootstrap_host = get_serving().host
         self.bootstrap_port = int(get_disagg().disaggregation_bootstrap_port)
         self.http_port = int(get_serving().port)
@@ -197,7 +204,8 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             )
         self.rank = pd.ParallelRank(
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-            cp_size=self.attn_cp_size, cp_rank=self.attn_cp_rank,
+            cp_size=self.attn_cp_size, cp_rank=self.attn_cp_rank, dp_size=self.num_dp_ranks,
+            dp_rank=self.dp_group,
         )  # fmt: skip
         try:
             self.memory = rank_memory(
@@ -224,6 +232,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         # arrive after the scheduler cleared the receiver)
         self.released: dict[int, None] = {}
         self.failures: dict[int, str] = {}
+        self._executor: ThreadPoolExecutor | None = None  # made on first use (decode)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_prefill()
         elif disaggregation_mode == DisaggregationMode.DECODE:
@@ -270,7 +279,8 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             on_connected=self._on_connected,
         )
         self._groups: dict[tuple[str, int], Future[Any]] = {}
-        self._connecting: dict[pd.PrefillGroup, Future[Any]] = {}  # worker thread only
+        # handshakes under way: the DP group asked for, and its future (worker thread only)
+        self._connecting: dict[pd.PrefillGroup, tuple[int, Future[Any]]] = {}
         self._endpoints: dict[tuple[str, int], list[dict[str, Any]]] = {}
         # engine ids of prefill engines with ranks that take no new room (lost, or revoked and
         # registering again), published by the worker thread after each step
@@ -297,23 +307,30 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         self.outcomes[room] = (_POLL[status], None if failure is None else failure.reason)
 
     def _on_connected(self, group: pd.PrefillGroup) -> None:
-        fut = self._connecting.pop(group, None)
+        dp_rank, fut = self._connecting.pop(group, (0, None))
         if fut is None:
             return
-        if group.ready:
+        if group.ready and group.dp_rank != dp_rank:
+            # the bootstrap server named these ranks for another DP group than they say they are:
+            # a room asked from them would be one they never get
+            fut.set_exception(pd.HandshakeError(
+                f"the ranks the bootstrap server names for prefill DP group {dp_rank} say they are "
+                f"DP group {group.dp_rank} ({group}); a prefill built without DP attention support?"
+            ))  # fmt: skip
+        elif group.ready:
             fut.set_result(group)
         else:
             fut.set_exception(pd.HandshakeError(group.error or f"connecting to {group} failed"))
 
-    def _connect(self, endpoints: list[str], pp_size: int, fut: Future[Any]) -> None:
-        """On the worker thread: start the handshake (it runs in the worker's steps, never holding
-        the loop); ``fut`` resolves in :meth:`_on_connected`."""
+    def _connect(self, endpoints: list[str], pp_size: int, dp_rank: int, fut: Future[Any]) -> None:
+        """On the worker thread: start the handshake with DP group ``dp_rank`` (it runs in the
+        worker's steps, never holding the loop); ``fut`` resolves in :meth:`_on_connected`."""
         try:
             group = self.worker.connect(endpoints, prefill_pp=pp_size)
         except Exception as exc:
             fut.set_exception(exc)
             return
-        self._connecting[group] = fut
+        self._connecting[group] = (dp_rank, fut)
 
     def _after_step(self) -> None:
         """On the worker thread: publish which prefill engines have ranks out of service (read
@@ -476,7 +493,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             self._endpoints[key] = ranks
             endpoints = _tcp_endpoints(ranks)
             fut = Future()  # resolved once the group is ready (or its handshake failed)
-            started = self.submit(self._connect, endpoints, info.pp_size, fut)
+            started = self.submit(self._connect, endpoints, info.pp_size, dp_rank, fut)
 
             def not_started(f: Future[Any]) -> None:  # the worker thread had stopped
                 exc = f.exception()
@@ -510,8 +527,24 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
+        """The decode manager's thread pool, which SGLang's decode loop runs its prefill DP-rank
+        queries (``/query_dp_ranks``) on, and :meth:`submit_prefill_recompute` its requests."""
+        with self._lock:
+            if self._executor is None:
+                from sglang.srt.environ import envs
+
+                workers = getattr(envs, "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", None)
+                size = workers.get() if workers is not None else None
+                self._executor = ThreadPoolExecutor(
+                    max_workers=max(1, int(size or 4)), thread_name_prefix="pdwire-sglang-decode"
+                )
+            return self._executor
+
     def teardown(self) -> None:
         self.thread.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     close = teardown
 
@@ -600,8 +633,41 @@ class PdwireKVSender(_Request, BaseKVSender):  # type: ignore[misc]
         self._pages_sent = 0
         self._start: float | None = None
         self._failure: str | None = None
-        self.init_time = time.time()
         mgr.watched[self.bootstrap_room] = KVPoll.Bootstrapping
+        if mgr.num_dp_ranks > 1 and not req_has_disagg_prefill_dp_rank:
+            self._route_dp()
+        self.init_time = time.time()  # the bootstrap timeout counts from here, as in SGLang
+
+    def _route_dp(self) -> None:
+        """Tell decode which prefill DP group holds the room, as SGLang's backends do: the
+        bootstrap server records it (``/register_dp_rank``) unless decode follows the room
+        (``room % DP size``, the default); a room that routing sent elsewhere fails now, since
+        decode would ask another group for it."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        if mgr.load_balance_method != "follow_bootstrap_room" or mgr.force_query_dp_rank:
+            url = f"http://{self.bootstrap_server_url}/register_dp_rank"
+            try:
+                response = requests.post(
+                    url, json={"bootstrap_room": room, "dp_rank": mgr.dp_group}, timeout=5
+                )
+                problem = None if response.status_code == 200 else f"{response.status_code} {response.text}"
+            except requests.RequestException as exc:
+                problem = str(exc)
+            if problem is not None:
+                self._give_up(f"cannot register DP group {mgr.dp_group} of room {room} at {url}: {problem}")
+        elif mgr.dp_group != room % mgr.num_dp_ranks:
+            self._give_up(
+                f"follow_bootstrap_room conflict: room {room} was dispatched to prefill DP group "
+                f"{mgr.dp_group}, decode asks DP group {room % mgr.num_dp_ranks} for it (room % "
+                f"{mgr.num_dp_ranks}); set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 "
+                "for such routing"
+            )
+
+    def _give_up(self, reason: str) -> None:
+        logger.error("pdwire: %s", reason)
+        self._fail(reason)
+        self.kv_mgr.failures[self.bootstrap_room] = reason
+        self.kv_mgr.abort_room(self.bootstrap_room, reason)  # a decode rank asking is refused
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_kv_indices = int(num_kv_indices)
@@ -739,6 +805,12 @@ class PdwireKVReceiver(_Request, BaseKVReceiver):  # type: ignore[misc]
             return
         self.prefill_info = info
         self.prefill_dp_rank = int(prefill_dp_rank)
+        if not 0 <= self.prefill_dp_rank < max(1, int(info.dp_size or 1)):
+            self._fail(
+                f"prefill {self.bootstrap_addr} has {info.dp_size} DP groups, the room was routed to "
+                f"DP group {self.prefill_dp_rank}"
+            )
+            return
         self._group = self.kv_mgr.group(self.bootstrap_addr, self.prefill_dp_rank)
         # the topology is read anew when the engine was restarted
         self.prefill_info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr, info)

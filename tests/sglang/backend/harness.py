@@ -97,6 +97,8 @@ class Rank:
     full_layers: list[int] = field(default_factory=list)
     swa_layers: list[int] = field(default_factory=list)
     mamba_layers: list[int] = field(default_factory=list)
+    dp_size: int = 1  # DP attention: the rank's DP group
+    dp_rank: int = 0
 
     # ---------------------------------------------------------------- memory views
 
@@ -122,13 +124,20 @@ class Rank:
         return idx
 
 
-def _server_args(role: str, tp: int, bootstrap_port: int, http_port: int, pp: int = 1) -> Any:
+def _server_args(
+    role: str, tp: int, bootstrap_port: int, http_port: int, pp: int = 1, dp: int = 1, **extra: Any
+) -> Any:
+    """An engine's arguments; with ``dp`` > 1, DP attention: ``dp`` groups of ``tp`` attention
+    ranks (SGLang's TP size is then ``tp * dp``)."""
     from sglang.srt.server_args import ServerArgs
 
+    if dp > 1:
+        extra.update(dp_size=dp, enable_dp_attention=True)
     return ServerArgs(
         model_path="dummy",  # like SGLang's own test topologies: no model is loaded
-        tp_size=tp,
+        tp_size=tp * dp,
         pp_size=pp,
+        **extra,
         disaggregation_mode=role,
         disaggregation_transfer_backend="pdwire",
         disaggregation_bootstrap_port=bootstrap_port,
@@ -210,20 +219,25 @@ def _scheduler_stand_in(
 
 def make_rank(
     role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int,
-    model: Model = SWA_HYBRID, pp: int = 1, pp_rank: int = 0,
+    model: Model = SWA_HYBRID, pp: int = 1, pp_rank: int = 0, dp: int = 1, dp_rank: int = 0,
+    **server_args: Any,
 ) -> Rank:  # fmt: skip
-    """One scheduler rank: TP rank ``tp_rank`` of PP stage ``pp_rank`` (SGLang's launcher places
-    it at world rank ``tp * pp_rank + tp_rank``), holding the stage's own layers."""
+    """One scheduler rank: attention TP rank ``tp_rank`` of DP group ``dp_rank`` in PP stage
+    ``pp_rank`` (SGLang's launcher places it at world rank ``tp * dp * pp_rank + tp * dp_rank +
+    tp_rank``), holding the stage's own layers."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
     start, end = model.stage(pp, pp_rank)
-    sa = _server_args(role, tp, bootstrap_port, http_port, pp=pp)
-    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp * pp_rank + tp_rank))
+    sa = _server_args(role, tp, bootstrap_port, http_port, pp=pp, dp=dp, **server_args)
+    engine_tp_rank = tp * dp_rank + tp_rank
+    ctx = create_context(
+        sa, role="scheduler", ranks=SpawnRanks(world_rank=tp * dp * pp_rank + engine_tp_rank)
+    )
     with use_context(ctx):
         kv_pool, req_pool, metadata, layers = _pools(model, tp, start, end)
-        stand_in = _scheduler_stand_in(model, tp_rank, pp_rank, kv_pool, req_pool, metadata, sa)
+        stand_in = _scheduler_stand_in(model, engine_tp_rank, pp_rank, kv_pool, req_pool, metadata, sa)
         init = (
             PrefillBootstrapQueue._init_kv_manager
             if role == "prefill"
@@ -232,7 +246,8 @@ def make_rank(
         manager = init(stand_in)
     return Rank(
         role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx, pp_size=pp, pp_rank=pp_rank,
-        full_layers=layers.full, swa_layers=layers.swa, mamba_layers=layers.mamba,
+        full_layers=layers.full, swa_layers=layers.swa, mamba_layers=layers.mamba, dp_size=dp,
+        dp_rank=dp_rank,
     )  # fmt: skip
 
 
