@@ -178,6 +178,8 @@ def test_a_nixl_router_and_the_proxy_hand_decode_the_same_prefill() -> None:
     ours = decode_body(body, answer)
     assert tp.parse(_go_router(dec["kv_transfer_params"])) == tp.parse(ours["kv_transfer_params"]) == HANDLE
     assert ours["kv_transfer_params"] == answer["kv_transfer_params"]  # whole and untouched
+    # a field a router adds (vLLM's multi-turn example proxy sets the prefill's host) is ignored
+    assert tp.parse(dict(dec["kv_transfer_params"], remote_host="10.0.0.1")) == HANDLE
     # what the prefill connector keys on is set in both prefill requests
     assert (
         pre["kv_transfer_params"]["do_remote_decode"]
