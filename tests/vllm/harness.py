@@ -47,6 +47,7 @@ class EngineSpec:
     model: str
     name: str = "engine"
     tp: int = 1
+    pp: int = 1
     kv_transfer_config: Mapping[str, Any] | None = None
     max_num_seqs: int = 8
     block_size: int | None = 32
@@ -369,7 +370,8 @@ def _serve(fd: int, spec: EngineSpec) -> None:  # pragma: no cover - runs in the
             enforce_eager=True,
             max_num_seqs=spec.max_num_seqs,
             tensor_parallel_size=spec.tp,
-            distributed_executor_backend="uni" if spec.tp == 1 else "mp",
+            pipeline_parallel_size=spec.pp,
+            distributed_executor_backend="uni" if spec.tp * spec.pp == 1 else "mp",
             disable_log_stats=False,
             enable_prefix_caching=spec.enable_prefix_caching,
         )

@@ -114,6 +114,8 @@ def model_fingerprint(
     kv = described.memory.kv
     kv_layers = 0 if kv is None else kv.num_layers
     state_layers = sum(c.num_layers for c in described.memory.state)
+    if described.memory.position.pp_size > 1:  # a stage's KV is a run of a dense model's layers
+        kv_layers = int(mc.get_total_num_hidden_layers())
     return pd.ModelFingerprint(
         model_name=name,
         revision=str(revision),
@@ -438,7 +440,7 @@ class _Scheduler:
 
 class _Worker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine_id: str) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         kv = vllm_config.kv_transfer_config
         assert kv is not None
@@ -449,6 +451,8 @@ class _Worker:
         self.extra = extra_config(vllm_config)
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.pp_rank = int(get_pp_group().rank_in_group)
         self.described: Described | None = None
         self.worker: pd.PrefillWorker | pd.DecodeWorker | None = None
         self.thread: pd.WorkerThread[Any] | None = None
@@ -467,8 +471,10 @@ class _Worker:
         self.counts = IntervalCounts()  # for vLLM's connector stats; any thread
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.described = describe_vllm(self.vllm_config, self.kv_cache_config, kv_caches, self.tp_rank)
-        rank = pd.ParallelRank(tp_size=self.tp_size, tp_rank=self.tp_rank)
+        self.described = describe_vllm(
+            self.vllm_config, self.kv_cache_config, kv_caches, self.tp_rank, self.pp_rank
+        )
+        rank = self.described.memory.position
         common: dict[str, Any] = dict(
             engine_id=self.engine_id,
             rank=rank,
@@ -734,6 +740,12 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 f"PdwireConnector: kv_role must be kv_producer or kv_consumer, got {kv.kv_role!r}"
             )
         extra_config(vllm_config)  # refuse unknown keys at start-up, on both sides
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if kv.kv_role == "kv_consumer" and pp > 1:
+            raise ValueError(
+                f"PdwireConnector: decode with pipeline parallelism (PP {pp}): a prefill rank writes every "
+                "layer it holds into one decode rank, so decode runs PP 1 (prefill may run any PP)"
+            )
         engine_id = str(kv.engine_id)
         self._scheduler: _Scheduler | None = None
         self._worker: _Worker | None = None

@@ -144,6 +144,9 @@ def describe(
     layer_ids: Mapping[str, int],
     strided: bool = True,
     head_strided: bool = True,
+    pp_size: int = 1,
+    pp_rank: int = 0,
+    first_layer: int = 0,
 ) -> Described:
     """Build the rank's ``RankMemory``. ``groups`` are vLLM's transfer groups in order (None for a
     group of a kind the connector does not move, which is refused); ``layer_ids`` give each
@@ -187,9 +190,10 @@ def describe(
     if kv is None:
         raise LayoutError("no full-attention KV cache group: pdwire needs one KV page list per request")
     memory = pd.RankMemory(
-        pd.ParallelRank(tp_size=tp_size, tp_rank=tp_rank),
+        pd.ParallelRank(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
         kv=kv,
         state=tuple(state),
+        first_layer=first_layer,
     )
     return Described(memory, kv_group, tuple(state_groups), mla or not kv.is_mla)
 
@@ -648,12 +652,13 @@ def conv_split(
 
 
 def describe_vllm(
-    vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any], tp_rank: int
+    vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any], tp_rank: int, pp_rank: int = 0
 ) -> Described:
     """:func:`describe` over vLLM's objects (``register_kv_caches``' tensors)."""
     groups = vllm_groups(vllm_config, kv_cache_config)
     tensors = {name: layer_tensor(name, t) for name, t in kv_caches.items()}
     order = {name: i for i, name in enumerate(_model_layer_order(kv_caches))}
+    pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
     return describe(
         groups,
         tensors,
@@ -661,7 +666,32 @@ def describe_vllm(
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         tp_rank=tp_rank,
         layer_ids=order,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        first_layer=stage_first_layer(groups, pp_size),
     )
+
+
+def stage_first_layer(groups: Sequence[Group | None], pp_size: int) -> int:
+    """The model index of a PP stage's first KV layer, pdwire's global id of it: a stage holds a
+    run of the model's layers, and with attention in every layer (a dense or MLA model) its KV
+    layers are that run. A model with state or window groups interleaves other layers, whose KV
+    layers a stage cannot name by one first layer: refused with PP by name."""
+    if pp_size == 1:
+        return 0
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    others = [type(g).__name__ for g in groups if not isinstance(g, AttentionGroup | MlaGroup)]
+    kv = [g for g in groups if isinstance(g, AttentionGroup | MlaGroup)]
+    if others or len(kv) != 1:
+        raise LayoutError(
+            f"pipeline parallelism (PP {pp_size}) with KV cache groups {others or len(kv)}: pdwire moves a "
+            "PP stage's KV of dense and MLA models; run hybrid and sliding-window models with PP 1"
+        )
+    ids = sorted(extract_layer_index(name) for name in kv[0].layers)
+    if ids != list(range(ids[0], ids[0] + len(ids))):
+        raise LayoutError(f"PP stage KV layers {ids} are not one run of the model's layers")
+    return ids[0]
 
 
 def _model_layer_order(kv_caches: Mapping[str, Any]) -> list[str]:
