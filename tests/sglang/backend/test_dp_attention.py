@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from types import MethodType, SimpleNamespace
 from typing import Any
 
@@ -296,5 +297,89 @@ def test_dp2_prefill_to_dp2_decode_follows_the_room(
             # one group per prefill DP group, each of its own DP rank
             groups = rank.manager.submit(lambda m=rank.manager: sorted(m.worker.links.groups)).result(30)
             assert [dp for _, dp in groups] == [0, 1], (g, groups)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(
+    ("balance", "force", "ptp"),
+    [("round_robin", False, 2), (FOLLOW, True, 1)],
+    ids=["round-robin-dp2xtp2", "forced-query-dp2xtp1"],
+)
+def test_a_prefill_dp_group_registered_with_the_bootstrap_server_is_queried(
+    sglang: Any, balance: str, force: bool, ptp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill DP 2 x TP ``ptp`` -> decode DP 2 x TP 1 where prefill DP groups do not follow the
+    room: a non-default ``--load-balance-method``, or SGLang's
+    SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1. Each room is dispatched to the group
+    ``room % 2`` does *not* name; its senders register the group with the bootstrap server, and
+    SGLang's decode loop queries it there (on the manager's executor) before it initialises the
+    receivers. With TP 2 groups each decode rank reads both ranks of the group for its heads."""
+    if force:
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "1")
+    eng = Engines(sglang, 2, ptp, 2, 1, balance=balance)
+    try:
+        rooms = _rooms(6, 6200 + 10 * ptp)
+        prefill_of = {r: (r + 1) % 2 for r in rooms}
+        decode_of = {r: (r // 2) % 2 for r in rooms}
+        pre_out, dec_out = _run(eng, prefill_of, decode_of, rooms)
+        _check(eng, prefill_of, pre_out, dec_out)
+        for rank in eng.groups["decode"][0] + eng.groups["decode"][1]:
+            assert rank.manager._executor is not None  # the queries ran on it
+    finally:
+        eng.close()
+
+
+class _SaysDp0:
+    """A prefill group handle whose ranks said they are DP group 0."""
+
+    ready = True
+    dp_rank = 0
+
+
+def test_misrouted_rooms_fail_at_once_by_name(sglang: Any) -> None:
+    """Under SGLang's default routing a room dispatched to another prefill DP group than
+    ``room % DP size`` would never be asked for (decode asks that group): its sender fails at
+    once, naming the conflict and the variable that allows such routing, and a decode rank asking
+    the group anyway is refused. A receiver told a DP group the prefill does not have fails by
+    name, and so does a group whose ranks say another DP group than the bootstrap server named."""
+    import pdwire.runtime.engine as pd
+
+    KVPoll = sglang.KVPoll
+    eng = Engines(sglang, 2, 1, 1, 1)
+    try:
+        (p1,) = eng.groups["prefill"][1]
+        tx = sglang.sender(mgr=p1.manager, bootstrap_addr=eng.addr, bootstrap_room=6300)
+        assert tx.poll() == KVPoll.Failed
+        with pytest.raises(
+            Exception,
+            match=r"follow_bootstrap_room conflict: room 6300 .* DP group 1, decode asks DP group 0",
+        ) as err:
+            tx.failure_exception()
+        assert "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1" in str(err.value)
+        # the same room, asked from DP group 1 anyway, is refused there (never transferred)
+        (d0,) = eng.groups["decode"][0]
+        _wait("prefill topology", lambda: d0.manager.try_ensure_parallel_info(eng.addr))
+        rx = sglang.receiver(mgr=d0.manager, bootstrap_addr=eng.addr, bootstrap_room=6300)
+        rx.init(1)
+        _wait("handshake", lambda: rx.poll() != KVPoll.Bootstrapping)
+        rq = h.Request(d0, 6300, 12)
+        rx.send_metadata(rq.pages, rq.aux, rq.state_indices(), decode_prefix_len=0)
+        _wait("the refusal", lambda: rx.poll() == KVPoll.Failed, 30)
+        with pytest.raises(Exception, match=r"follow_bootstrap_room conflict") as err:
+            rx.failure_exception()
+        # a DP group the prefill engine does not have
+        bad = sglang.receiver(mgr=d0.manager, bootstrap_addr=eng.addr, bootstrap_room=6301)
+        bad.init(2)
+        assert bad.poll() == KVPoll.Failed
+        with pytest.raises(Exception, match=r"has 2 DP groups, the room was routed to DP group 2"):
+            bad.failure_exception()
+        # ranks that say another DP group than the one they were asked as
+        group = _SaysDp0()
+        fut: Future[Any] = Future()
+        d0.manager._connecting[group] = (1, fut)
+        d0.manager._on_connected(group)
+        with pytest.raises(pd.HandshakeError, match=r"for prefill DP group 1 say they are DP group 0"):
+            fut.result(0)
     finally:
         eng.close()
