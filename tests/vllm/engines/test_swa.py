@@ -164,11 +164,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory, engine_logs: Path) -> Iter
     mixed = str(tm.write_sliding_gemma3(base / "sliding"))
     alone = str(tm.write_sliding_gemma3(base / "sliding-only", full=False))
 
-    def spec(model: str, name: str, role: str | None = None, tp: int = 1, cpus: str = "0") -> h.EngineSpec:
+    def spec(
+        model: str, name: str, role: str | None = None, tp: int = 1, cpus: str = "0", cache: bool = False
+    ) -> h.EngineSpec:
         kv = None if role is None else pdwire_config(role)
         return h.EngineSpec(
             model, name, tp=tp, cpus="0|1" if tp == 2 else cpus, kv_blocks=256, kv_transfer_config=kv,
-            env=PDWIRE_ENV if role else {},
+            env=PDWIRE_ENV if role else {}, enable_prefix_caching=cache,
         )  # fmt: skip
 
     specs = {
@@ -177,6 +179,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, engine_logs: Path) -> Iter
         "prefill-tp2": spec(mixed, "swa-prefill-tp2", "kv_producer", tp=2),
         "decode": spec(mixed, "swa-decode", "kv_consumer", cpus="1"),
         "decode-tp2": spec(mixed, "swa-decode-tp2", "kv_consumer", tp=2),
+        "decode-cached": spec(mixed, "swa-decode-cached", "kv_consumer", cpus="1", cache=True),
         "alone-single": spec(alone, "swa-only-single", cpus="1"),
         "alone-prefill": spec(alone, "swa-only-prefill", "kv_producer"),
         "alone-decode": spec(alone, "swa-only-decode", "kv_consumer", cpus="1"),
@@ -249,3 +252,33 @@ def test_a_model_of_sliding_window_layers_only_moves_its_windows(
     sent = _pd(engines, "alone-", "alone-prefill", "alone-decode", prompts)
     window = sum(3 * _live(len(p) - 1) for p in prompts.values()) * BLOCK_BYTES
     assert sent["bytes"] == window
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_local_prefix_on_decode_moves_the_rest_or_computes_a_tail_inside_the_window(
+    engines: dict[str, h.Engine], prompts: dict[str, list[int]]
+) -> None:
+    """Decode with prefix caching. A prompt sharing 4 blocks (128 tokens) with one decode served
+    locally hits them (their window blocks are cached too) and loads the rest: the full layer's
+    blocks past the prefix and the window's blocks (4..6 of n = 199, all past it). One sharing 5
+    blocks reaches into the window (block 4): decode computes its 39-token tail itself."""
+    prefill, decode, single = engines["prefill"], engines["decode-cached"], engines["single"]
+    (base,) = [p for p in prompts.values() if len(p) == 200]
+    rest, tail = (list(v) for v in h.random_prompts(2, 72, seed=40).values())
+    cases = {"swa-prefix-128": base[:128] + rest, "swa-prefix-160": base[:160] + tail[:40]}
+    expected = h.tokens(h.run_single(single, cases, MAX_TOKENS))
+    # what decode served itself: vLLM caches a sliding layer's blocks of a hit only while they
+    # are in the window of the request that computed them
+    sharing = {"swa-local-130": base[:130], "swa-local-160": base[:160] + rest[:40]}
+    stats, external = prefill.connector_stats(), h.external_prompt_tokens(decode.metrics())
+    results = {}
+    for rid, local in sharing.items():
+        h.run_single(decode, {rid: local}, 1)
+        case = "swa-prefix-128" if rid == "swa-local-130" else "swa-prefix-160"
+        results.update(h.run_pd(prefill, decode, {case: cases[case]}, MAX_TOKENS)[1])
+    assert h.tokens(results) == expected
+    loaded = h.external_prompt_tokens(decode.metrics()) - external
+    assert loaded == 199 - 128  # the first request's tokens past its local prefix; none of the second's
+    sent = prefill.connector_stats()["bytes_posted"] - stats["bytes_posted"]
+    assert sent == (3 + 2 * 3) * BLOCK_BYTES  # the full layer's blocks 4..6, each sliding layer's 4..6
