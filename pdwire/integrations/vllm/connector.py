@@ -154,10 +154,29 @@ class RecvReq:
 
 
 @dataclass
+class LeaseReq:
+    """Decode: a queued request's room on its prefill engine, held (renewed while the request
+    waits for memory) or released (it will never be asked for: prefill frees it now)."""
+
+    request_id: str
+    room: int
+    prefill_engine_id: str
+    endpoints: tuple[str, ...]
+    pp_size: int
+    why: str = ""  # a release's cause, in prefill's log
+
+    @classmethod
+    def of(cls, request_id: str, handle: tp.PrefillHandle, why: str = "") -> LeaseReq:
+        return cls(request_id, handle.room, handle.engine_id, handle.endpoints, handle.pp_size, why)
+
+
+@dataclass
 class PdwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     sends: list[SendReq] = field(default_factory=list)
     recvs: list[RecvReq] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # decode: requests gone while their room is live
+    holds: list[LeaseReq] = field(default_factory=list)  # decode: rooms of newly queued requests
+    releases: list[LeaseReq] = field(default_factory=list)  # decode: rooms never to be asked for
 
 
 @dataclass
@@ -263,6 +282,10 @@ class _Scheduler:
         # blocks pdwire still holds: prefill's sent requests, decode's aborted rooms
         self._outstanding: set[str] = set()
         self._receiving: set[str] = set()  # decode: rooms started, not yet reported
+        # decode: queued requests whose room is held on prefill (renewed), not started or released
+        self._queued: dict[str, tp.PrefillHandle] = {}
+        self._holds: list[LeaseReq] = []
+        self._releases: list[LeaseReq] = []
 
     # -------- both
 
@@ -281,12 +304,13 @@ class _Scheduler:
             raise ValueError(f"PdwireConnector: no handshake metadata from worker (pp, tp) = {exc}") from None
 
     def build_meta(self) -> PdwireConnectorMetadata:
-        meta = PdwireConnectorMetadata(self._sends, self._recvs, self._aborts)
-        self._sends, self._recvs, self._aborts = [], [], []
+        meta = PdwireConnectorMetadata(self._sends, self._recvs, self._aborts, self._holds, self._releases)
+        self._sends, self._recvs, self._aborts, self._holds, self._releases = [], [], [], [], []
         return meta
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._outstanding or self._sends or self._recvs)
+        # a release must reach the workers even when the request it ends was the engine's last
+        return bool(self._outstanding or self._sends or self._recvs or self._holds or self._releases)
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         for rid in out.finished_sending or ():
@@ -303,7 +327,10 @@ class _Scheduler:
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if not (self.is_producer and params and params.get("do_remote_decode")):
+        if not self.is_producer:
+            self._queue(request)
+            return
+        if not (params and params.get("do_remote_decode")):
             return
         n = self._backoff()
         if not n or params.get("_pdwire_truncated") or request.num_prompt_tokens <= n:
@@ -323,6 +350,10 @@ class _Scheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        if not self.is_producer and request.request_id in self._queued:
+            self._release(
+                request, f"request {request.request_id} ended in the decode queue ({request.status.name})"
+            )
         if not self.is_producer and request.request_id in self._receiving:
             # gone (aborted, or failed by vLLM) while its room may be live: prefill may still write
             # into its blocks, so they stay until the worker reports the request received (at
@@ -358,6 +389,32 @@ class _Scheduler:
 
     # -------- decode
 
+    def _queue(self, request: Request) -> None:
+        """A new request whose KV waits on a pdwire prefill: its room is held there (renewed by
+        the workers) until the request starts its room or is released."""
+        params = request.kv_transfer_params
+        if not tp.is_pdwire_prefill(params):
+            return
+        assert params is not None
+        try:
+            handle = tp.parse(params)
+        except tp.TransferParamsError:
+            return  # computed locally (_handle says why); nowhere to renew or release it
+        self._queued[request.request_id] = handle
+        self._holds.append(LeaseReq.of(request.request_id, handle))
+
+    def _release(self, request: Request, why: str) -> None:
+        """The request will never ask for its room: prefill frees its blocks now."""
+        handle = self._queued.pop(request.request_id, None)
+        if handle is not None:
+            self._releases.append(LeaseReq.of(request.request_id, handle, why))
+
+    def _compute_locally(self, request: Request, why: str) -> None:
+        params = request.kv_transfer_params
+        assert params is not None
+        params[tp.STARTED] = True  # never asked for later (a rescheduled request computes too)
+        self._release(request, why)
+
     def _handle(self, request: Request) -> tp.PrefillHandle | None:
         params = request.kv_transfer_params
         if self.is_producer or not tp.is_pdwire_prefill(params):
@@ -367,7 +424,7 @@ class _Scheduler:
             handle = tp.parse(params)
         except tp.TransferParamsError as exc:
             logger.warning("PdwireConnector: request %s is computed locally: %s", request.request_id, exc)
-            params[tp.STARTED] = True
+            self._compute_locally(request, "its kv_transfer_params do not parse on decode")
             return None
         want = len(request.prompt_token_ids or ()) - self._backoff()
         if handle.num_tokens != want or handle.block_size != self.groups.block_size:
@@ -380,7 +437,7 @@ class _Scheduler:
                 want,
                 self.groups.block_size,
             )
-            params[tp.STARTED] = True
+            self._compute_locally(request, "decode computes it locally (token count or block size differ)")
             return None
         return handle
 
@@ -401,20 +458,22 @@ class _Scheduler:
                 request.request_id,
                 num_computed_tokens,
             )
-            params = request.kv_transfer_params
-            assert params is not None
-            params[tp.STARTED] = True
+            self._compute_locally(request, "decode computes it locally (its local prefix reaches the window)")
             return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens <= 0:
-            return
         handle = self._handle(request)
         if handle is None:
             return
+        if num_external_tokens <= 0:
+            # scheduled with nothing to load (a full local prefix hit, prefix reading skipped):
+            # it runs now on its local blocks
+            self._compute_locally(request, "decode computes it locally (nothing left to load)")
+            return
+        self._queued.pop(request.request_id, None)  # its room starts: the request holds it now
         params = request.kv_transfer_params
         assert params is not None
         local = handle.num_tokens - num_external_tokens  # tokens decode already holds (prefix cache)
@@ -532,6 +591,10 @@ class _Worker:
     def start(self, meta: PdwireConnectorMetadata) -> None:
         if self.thread is None:
             return
+        for h in meta.holds:  # before the recvs: a room held and started in one step starts
+            self.thread.submit(self._hold, h)
+        for h in meta.releases:
+            self.thread.submit(self._release, h)
         for s in meta.sends:
             self.thread.submit(self._send, s)
         for r in meta.recvs:
@@ -601,12 +664,9 @@ class _Worker:
                     "head's K and then its V, which this pdwire build's wire (no KV head stride, before "
                     "protocol 1.4) cannot slice by head; use equal TP sizes"
                 )
-            key = (r.prefill_engine_id, r.endpoints)
-            group = self._prefills.get(key)
-            if group is None or group.failed:  # a failed handshake is tried again by the next request
-                # returns at once; the room waits inside its deadline for the handshake (step())
-                group = self.worker.connect(list(r.endpoints), prefill_pp=r.pp_size)
-                self._prefills[key] = group
+            # a failed handshake is tried again by the next request; connect returns at once, the
+            # room waits inside its deadline for the handshake (step())
+            group = self._group(r.prefill_engine_id, r.endpoints, r.pp_size, retry=True)
             indices = pd.RequestIndices(r.kv_pages, state=r.state, decode_prefix_len=r.decode_prefix_len)
             self.worker.start_room(r.room, indices, group)
         except Exception as exc:  # refused before anything was written: fail it now
@@ -623,6 +683,36 @@ class _Worker:
             return
         self._room_recv[r.room] = r
         self.counts.started(r.room)
+
+    def _group(
+        self, engine_id: str, endpoints: tuple[str, ...], pp_size: int, *, retry: bool
+    ) -> pd.PrefillGroup:
+        """The group to a prefill engine, connected on first use (``retry``: again if it failed)."""
+        assert isinstance(self.worker, pd.DecodeWorker)
+        key = (engine_id, endpoints)
+        group = self._prefills.get(key)
+        if group is None or (retry and group.failed):
+            group = self.worker.connect(list(endpoints), prefill_pp=pp_size)
+            self._prefills[key] = group
+        return group
+
+    def _hold(self, h: LeaseReq) -> None:
+        """A queued request: renew its room on prefill while it waits (connecting early, as
+        NixlConnector's heartbeats do; a failed group is not retried for a lease)."""
+        assert isinstance(self.worker, pd.DecodeWorker)
+        try:
+            self.worker.hold(h.room, self._group(h.prefill_engine_id, h.endpoints, h.pp_size, retry=False))
+        except Exception as exc:  # bad endpoints: its start_room says so, by name
+            logger.debug("PdwireConnector: room %d of request %s not renewed: %s", h.room, h.request_id, exc)
+
+    def _release(self, h: LeaseReq) -> None:
+        """A request that never asks for its room: prefill frees the room's blocks now."""
+        assert isinstance(self.worker, pd.DecodeWorker)
+        try:
+            group = self._group(h.prefill_engine_id, h.endpoints, h.pp_size, retry=False)
+            self.worker.decline(h.room, group, h.why or f"request {h.request_id} released by decode")
+        except Exception as exc:  # the room then waits out its lease on prefill
+            logger.debug("PdwireConnector: room %d of request %s not released: %s", h.room, h.request_id, exc)
 
     def _abort(self, rid: str) -> None:
         """The request is gone: stop its room; it is reported received (which frees its blocks)
