@@ -58,6 +58,7 @@ class EngineSpec:
     cpus: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     enable_prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None  # a chunked-prefill chunk; None: vLLM's default
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,8 @@ def _serve(fd: int, spec: EngineSpec) -> None:  # pragma: no cover - runs in the
         )
         if spec.block_size is not None:
             kwargs["block_size"] = spec.block_size
+        if spec.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
         if spec.kv_blocks is not None:
             kwargs["num_gpu_blocks_override"] = spec.kv_blocks
         if spec.kv_transfer_config is not None:
