@@ -84,10 +84,10 @@ class DecodeRooms:
     ) -> None:
         """See :meth:`DecodeWorker.start_room`."""
         room = check_room(room)
+        self.leases.drop(room)  # asked for now (its request holds it on prefill), or refused here
         self.check_free(room)
         if not isinstance(prefill, PrefillGroup):
             raise ConfigError(f"start_room takes the PrefillGroup connect() returned, got {prefill!r}")
-        self.leases.drop(room)  # asked for now: its request holds it on prefill
         self._check_indices(indices)
         timeout = self.config.room_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout

@@ -139,3 +139,15 @@ def test_a_1_4_decode_renews_nothing_and_its_rooms_keep_the_fixed_timeout() -> N
         assert p.finished[10] is pd.Status.SUCCESS
     finally:
         p.close()
+
+
+def test_a_room_whose_start_is_refused_is_renewed_no_more(pair: Pair) -> None:
+    group = pair.connect()
+    pair.produce(11, [0, 1], 0)
+    pair.dec.hold(11, group)
+    pair.run_for(0.2)
+    assert pair.dec.stats.leases_sent == 1  # renewed at once
+    with pytest.raises(pd.IndicesError):  # refused before anything is sent
+        pair.dec.start_room(11, pd.RequestIndices([4, 5], state=[[2], [3]]), group)
+    pair.run_for(LEASE_S)
+    assert pair.dec.stats.leases_sent == 1 and timed_out(pair, 11)  # the engine must decline it

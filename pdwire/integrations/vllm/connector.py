@@ -680,6 +680,10 @@ class _Worker:
             )
             self.counts.failed(r.room, REFUSED)
             self._report(r.request_id, failed=True)
+            if not isinstance(exc, pd.DuplicateRoomError):  # a live room of that id is not ours to end
+                why = f"request {r.request_id} refused by decode: {type(exc).__name__}"
+                lease = LeaseReq(r.request_id, r.room, r.prefill_engine_id, r.endpoints, r.pp_size, why)
+                self._release(lease)
             return
         self._room_recv[r.room] = r
         self.counts.started(r.room)
