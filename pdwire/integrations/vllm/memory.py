@@ -8,7 +8,9 @@ and with the hybrid allocator the groups alias (one registration; pdwire's plann
 overlapping extents once and refuses a request whose destinations overlap). The Mamba TP
 sharding is read off the local shapes; where they cannot say it is left unknown. An MLA group
 (DeepSeek, Kimi) is one latent per token and layer, the same bytes on every TP rank: an MLA
-``KvPool`` copied whole for any TP pair.
+``KvPool`` copied whole for any TP pair. A sliding-window or chunked-local group is a paged
+SWA ``StatePool`` sharded by KV head whose request indices are its live pages only
+(:class:`WindowGroup`); in a model of window groups only, the first one is the KV pool.
 
 :func:`describe` is pure over :class:`LayerTensor` facts so it is testable without vLLM;
 :func:`describe_vllm` reads them from vLLM's config and tensors.
