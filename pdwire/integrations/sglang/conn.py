@@ -86,6 +86,33 @@ def _memory_kind() -> pd.MemoryKind:
     return pd.MemoryKind.VRAM if torch.cuda.is_available() else pd.MemoryKind.DRAM
 
 
+def _geometry(args: KVArgs, rank: pd.ParallelRank, is_mla: bool) -> Geometry:
+    """Where the rank's pools live: device memory of the GPU SGLang placed the rank on
+    (``KVArgs.gpu_id``, set by SGLang's ``_init_kv_manager``), or host memory without CUDA."""
+    kind = _memory_kind()
+    gpu = getattr(args, "gpu_id", None)
+    device = int(gpu) if kind is pd.MemoryKind.VRAM and gpu is not None else 0
+    if device < 0:
+        raise ValueError(f"pdwire: KVArgs.gpu_id must be >= 0, got {gpu}")
+    return Geometry(rank, is_mla=is_mla, memory_kind=kind, device_id=device)
+
+
+def _refuse_staging_buffer() -> None:
+    """SGLang's own staging buffer (SGLANG_DISAGG_STAGING_BUFFER) is a protocol of its Mooncake
+    and NIXL backends (staging requests and chunk messages between them) that pdwire does not
+    speak; pdwire's ranks move another TP size's heads without it. Refused on both sides, before
+    SGLang's decode would build its staging handler on a manager that has none."""
+    from sglang.srt.environ import envs
+
+    flag = getattr(envs, "SGLANG_DISAGG_STAGING_BUFFER", None)
+    if flag is not None and flag.get():
+        raise ValueError(
+            "pdwire: SGLANG_DISAGG_STAGING_BUFFER (SGLang's staging buffer) is not supported by the "
+            "pdwire transfer backend; unset it (pdwire moves heads between TP sizes without it, "
+            "see docs/sglang.md)"
+        )
+
+
 class _Driver:
     """Steps the worker on its thread and publishes the statuses the scheduler polls.
 
@@ -133,6 +160,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         from sglang.srt.environ import envs
         from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 
+        _refuse_staging_buffer()
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -208,9 +236,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             dp_rank=self.dp_group,
         )  # fmt: skip
         try:
-            self.memory = rank_memory(
-                args, Geometry(self.rank, is_mla=self.is_mla_backend, memory_kind=_memory_kind())
-            )
+            self.memory = rank_memory(args, _geometry(args, self.rank, self.is_mla_backend))
         except KVArgsError as exc:
             raise ValueError(f"pdwire cannot describe this rank's memory: {exc}") from exc
         self.model = pd.ModelFingerprint(
@@ -540,6 +566,32 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                     max_workers=max(1, int(size or 4)), thread_name_prefix="pdwire-sglang-decode"
                 )
             return self._executor
+
+    def submit_prefill_recompute(self, kv_receiver: PdwireKVReceiver, payload: dict[str, Any]) -> None:
+        """SGLang's retraction rebootstrap (a weight update retracted the request): the prefill
+        engine recomputes its prefix under the new weights when asked on its ``/generate``, at the
+        HTTP port its ranks registered, and sends it to every decode rank; so one rank of the
+        attention group asks (TP, CP and PP rank 0). A failed ask fails the room with its cause."""
+        if self.attn_tp_rank or self.attn_cp_rank or self.pp_rank:
+            return
+        info = self.prefill_info_table.get(kv_receiver.bootstrap_addr)
+        if info is None or info.prefill_http_port is None:
+            kv_receiver.recompute_failed(
+                f"rebootstrap: prefill {kv_receiver.bootstrap_addr} registered no HTTP port to recompute on"
+            )
+            return
+        host = kv_receiver.bootstrap_addr.rsplit(":", 1)[0]
+        url = f"http://{host}:{int(info.prefill_http_port)}/generate"
+        self._ensure_prefill_recompute_executor().submit(self._recompute, kv_receiver, url, payload)
+
+    def _recompute(self, kv_receiver: PdwireKVReceiver, url: str, payload: dict[str, Any]) -> None:
+        try:
+            response = requests.post(url, json=payload, timeout=self.waiting_timeout)
+            problem = None if response.status_code < 400 else f"{response.status_code} {response.text[:300]}"
+        except requests.RequestException as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            kv_receiver.recompute_failed(f"rebootstrap: {url} (rid {payload.get('rid')}) failed: {problem}")
 
     def teardown(self) -> None:
         self.thread.close()
@@ -873,6 +925,15 @@ class PdwireKVReceiver(_Request, BaseKVReceiver):  # type: ignore[misc]
         if self.conclude_state != KVPoll.Failed:
             self._fail("Aborted by AbortReq.")
         self.ensure_abort_notified()
+
+    def recompute_failed(self, reason: str) -> None:
+        """The prefill engine was not told to recompute the room (any thread): it fails with the
+        cause, unless its KV arrived already."""
+        if self.conclude_state == KVPoll.Success or self._outcome() == KVPoll.Success:
+            return
+        logger.error("pdwire: room %d: %s", self.bootstrap_room, reason)
+        self._failure = self._failure or reason
+        self.abort()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """Tell every prefill rank to stop (once); the room's slots come back on the fence."""

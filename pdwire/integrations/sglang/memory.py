@@ -110,6 +110,7 @@ class Geometry:
     rank: pd.ParallelRank
     is_mla: bool = False
     memory_kind: pd.MemoryKind = pd.MemoryKind.VRAM
+    device_id: int = 0  # the GPU the pools live on (SGLang's ``KVArgs.gpu_id``)
 
 
 def _ints(values: Any, what: str) -> list[int]:
@@ -171,6 +172,7 @@ def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
             k_base_addrs=tuple(ptrs), v_base_addrs=(), region_lens=tuple(lens), bytes_per_page=page_bytes,
             page_size=page_size, layout=pd.Layout.NHD, kv_heads_per_rank=1, total_kv_heads=1,
             bytes_per_head=page_bytes // page_size, is_mla=True, memory_kind=geo.memory_kind,
+            device_id=geo.device_id,
         )  # fmt: skip
     draft = int(_get(args, "num_draft_entries", 0) or 0)
     target = len(ptrs) - draft
@@ -196,6 +198,7 @@ def _kv_pool(args: Any, geo: Geometry) -> pd.KvPool | None:
         k_base_addrs=k, v_base_addrs=v, region_lens=k_lens, bytes_per_page=page_bytes, page_size=page_size,
         layout=pd.Layout.NHD, kv_heads_per_rank=heads, total_kv_heads=total,
         bytes_per_head=page_bytes // page_size // heads, memory_kind=geo.memory_kind,
+        device_id=geo.device_id,
     )  # fmt: skip
 
 
@@ -266,7 +269,7 @@ def _state_component(args: Any, ci: int, kind_value: str, geo: Geometry) -> pd.S
             )
         return pd.StateTensor(name, tuple(ptrs[lo:hi]), tuple(lens[lo:hi]), items[lo], **extra)
 
-    base: dict[str, Any] = {"kind": kind, "memory_kind": geo.memory_kind}
+    base: dict[str, Any] = {"kind": kind, "memory_kind": geo.memory_kind, "device_id": geo.device_id}
     if kind is pd.StateKind.MAMBA:
         dims = (
             _ints(_entry_list(args, "state_dim_per_tensor", ci, n, 0), f"state_dim_per_tensor[{ci}]")
