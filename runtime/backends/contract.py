@@ -36,6 +36,7 @@ e.g. a /dev/shm file, is removed at close regardless).
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import os
 import time
@@ -166,6 +167,10 @@ class Backend(abc.ABC):
         self._closed = False
         self._shared: list[SharedMemory] = []  # what allocate() handed out: windowable
         self._windows: dict[str, _PeerWindows] = {}
+        # revoked windows, still mapped (junk) until release_windows() says no write can come
+        self._junk: dict[str, list[_PeerWindows]] = {}
+        self._window_keys = itertools.count(1)
+        self.windows_released = 0  # windows unmapped by release_windows()
 
     # ---- memory
     def allocate(self, name: str, nbytes: int) -> HostBuffer:
@@ -205,6 +210,14 @@ class Backend(abc.ABC):
         return list(range(first, len(self.regions)))
 
     supports_vram: bool = False
+
+    @property
+    def registration_fences_older(self) -> bool:
+        """Whether a writer of this engine accepts a target's new registration only once every
+        transfer to the target's older registrations is final (peers keyed by name, and final
+        states that fence): the target may then unmap windows it revoked before registering."""
+        return self.peers_keyed_by_name and self.final_states_fence
+
     # The engine keeps one entry per remote agent name (NIXL, MoRI): a peer cannot be replaced
     # by a same-named one while the old one's transfers may still run.
     peers_keyed_by_name: bool = False
@@ -290,7 +303,44 @@ class Backend(abc.ABC):
                 problems.append(str(exc))
         if pw.unwindowed:
             problems.append(_unwindowed(pw.unwindowed))
+        pw.tokens = []  # deregistered (or refused): release_windows() does not try again
+        self._junk.setdefault(for_peer, []).append(pw)
         return Revocation(for_peer, not problems, "; ".join(problems), now + self.revoke_grace_s)
+
+    def release_windows(self, for_peer: str, *, live: bool = True, junk: bool = True) -> int:
+        """Unmap the windows given to ``for_peer``: with ``junk`` its revoked ones (junk since
+        :meth:`revoke`), with ``live`` its current ones (deregistered from the engine first). Returns how
+        many windows went. Call it only once nothing ``for_peer`` was given can still be written:
+        every transfer of the peer through them ended (a writer that fenced its writes), or the
+        writer is proven stopped; freed addresses are reused by the next mapping, so a late write
+        would land there. Never waits; idempotent."""
+        sets = self._junk.pop(for_peer, []) if junk else []
+        if live and for_peer in self._windows:
+            pw = self._windows.pop(for_peer)
+            for token in pw.tokens:
+                with contextlib.suppress(Exception):  # an engine that refuses keeps a stale entry only
+                    self._unregister_window(token)
+            sets.append(pw)
+        gone = 0
+        for pw in sets:
+            for w in pw.windows.values():
+                if not w.unmapped:
+                    w.unmap()
+                    gone += 1
+        self.windows_released += gone
+        return gone
+
+    def new_window_key(self, label: str) -> str:
+        """A ``for_peer`` key no other caller of this backend has: ``label#n``, n counting up
+        per backend (two workers sharing one backend never name each other's windows)."""
+        return f"{label}#{next(self._window_keys)}"
+
+    def window_counts(self) -> tuple[int, int]:
+        """(live, junk) windows this backend holds mapped: live ones are published to a peer,
+        junk ones were revoked and wait for :meth:`release_windows`."""
+        live = sum(len(pw.windows) for pw in self._windows.values())
+        junk = sum(len(pw.windows) for sets in self._junk.values() for pw in sets)
+        return live, junk
 
     def add_peer(self, metadata: PeerMetadata, regions: Sequence[Region] | None = None) -> Peer:
         """Make a peer writable. ``regions`` overrides the list carried in the metadata
@@ -509,6 +559,7 @@ class Backend(abc.ABC):
                 mem.close()
             self._shared.clear()
             self._windows.clear()
+            self._junk.clear()
 
     @property
     def closed(self) -> bool:

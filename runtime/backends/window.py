@@ -34,6 +34,8 @@ _libc.mmap.argtypes = [
 ]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MADV_DONTNEED = 4
 
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -87,7 +89,7 @@ class SharedMemory:
         """Revoke every window and drop the owner's view: the memfd's pages are freed once the
         last view dies. Windows are never unmapped: an engine thread that outlived its
         backend's close would fault; their junk pages are dropped instead (address space only)."""
-        for w in self.windows:
+        for w in list(self.windows):
             w.revoke()
             w.drop_junk()
         self.windows.clear()
@@ -108,6 +110,7 @@ class Window:
         self.memory = memory
         self.base = base
         self.revoked = False
+        self.unmapped = False
 
     @property
     def delta(self) -> int:
@@ -116,7 +119,7 @@ class Window:
 
     def revoke(self) -> None:
         """Point the window's addresses at junk pages: late writes land there, not in the memory."""
-        if self.revoked:
+        if self.revoked or self.unmapped:
             return
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
         got = _mmap(self.base, self.memory.nbytes, flags, -1)
@@ -126,5 +129,18 @@ class Window:
 
     def drop_junk(self) -> None:
         """Free the junk pages late writes touched (they are zero pages again on next touch)."""
-        if self.revoked:
+        if self.revoked and not self.unmapped:
             _libc.madvise(self.base, self.memory.nbytes, _MADV_DONTNEED)
+
+    def unmap(self) -> None:
+        """Give the window's addresses back (live or junk). Only once no write through them can
+        come any more: the kernel hands freed addresses to the next mapping, very likely the next
+        window of the same memory, so a late write would land in live memory."""
+        if self.unmapped:
+            return
+        if _libc.munmap(self.base, self.memory.nbytes) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"munmap of window at {self.base:#x} failed: {os.strerror(err)}")
+        self.unmapped = True
+        if self in self.memory.windows:
+            self.memory.windows.remove(self)

@@ -156,6 +156,7 @@ class Link:
     transport_up: bool = False  # its TCP connection was established at least once (the monitor)
     takeover_tries: int = 0  # its first registration, refused while the link it replaces closed
     register_again_at: float | None = None  # ... is sent again from then on
+    registered_at: float = 0.0  # when its newest RegisterInfo was sent (monotonic)
 
 
 class DecodeLinks:
@@ -197,7 +198,12 @@ class DecodeLinks:
         self._window_keys: dict[PeerRef, list[str]] = {}  # every key whose windows a peer may hold
         self._settling: list[tuple[float, PeerRef]] = []  # revocations settling, by time
         self._lost_links: list[Link] = []  # lost links waiting for their reconnect to be due
-        self._next_key = 0
+        # keys of closed links whose windows are still live: unmapped once the peer has no
+        # unfenced room (nothing can write through them), else revoked with the peer
+        self._retired: dict[str, PeerRef] = {}
+        # revoked keys, their windows junk until a proof that no write through them can come:
+        # peer -> key -> when it was revoked (see _free_junk)
+        self._junk: dict[PeerRef, dict[str, float]] = {}
         self.groups: dict[tuple[str, int], tuple[PrefillGroup, GroupRoute]] = {}
         self.connects: list[Connecting] = []  # connect()s under way
         self._connect_of: dict[Link, tuple[Connecting, tuple[int, int]]] = {}  # their links
@@ -278,6 +284,7 @@ class DecodeLinks:
                 self.stats.peers_lost += 1
                 why = f"{peer}: its link was closed for a new connection to it, which failed"
                 self.rooms.run(self.session.on_peer_lost(peer, why))
+                self._release_idle(peer)
                 self._schedule_reconnect(old)
 
     def _connected(self, c: Connecting, identity: GroupIdentity) -> None:
@@ -301,6 +308,8 @@ class DecodeLinks:
             if old is not None:  # connecting again (a restarted prefill engine): the old link is gone
                 self._drop(old)
                 self.rooms.run(self.session.on_peer_lost(conn.peer))
+                self._release_idle(conn.peer)
+            self._free_junk(conn.peer, link)
             self.stats.versions.append(f"{conn.peer}={conn.version[0]}.{conn.version[1]}")
             links[key] = (conn.peer, conn.position.sender_rank, self._fences(conn.version))
         g = c.group
@@ -347,8 +356,9 @@ class DecodeLinks:
     ) -> Link:
         """A new socket and handshake to ``endpoint`` (for connect(), or a background reconnect
         into ``into``), with heartbeats and a monitor that reports the connection's loss."""
-        self._next_key += 1
-        key = f"{endpoint}#{self._next_key}"  # each link's windows are its own, revoked apart
+        # each link's windows are its own, revoked apart; numbered per backend, so two workers
+        # sharing one backend never name each other's windows
+        key = self.backend.new_window_key(endpoint)
         conn = DecodeConnection(self._local(key), endpoint, deadline, expected)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -391,6 +401,49 @@ class DecodeLinks:
         self.poller.unregister(link.sock)
         link.sock.close(0)
         self._scatter.forget(link.key)  # rooms that reserved through it keep their own planner
+        self._retire(link)
+
+    # ------------------------------------------------------------------ windows of closed links
+
+    def _retire(self, link: Link) -> None:
+        """A closed link's windows: never registered, they go at once (no room was asked through
+        them); registered, they wait until the peer has no unfenced room (:meth:`_release_idle`)."""
+        peer = link.conn.peer
+        if peer is not None and link.key in self._window_keys.get(peer, []):
+            self._retired[link.key] = peer
+        else:  # (windows it had revoked stay junk until _free_junk's proof)
+            self.backend.release_windows(link.key, junk=False)
+
+    def _release_idle(self, peer: PeerRef) -> None:
+        """Unmap the live windows of ``peer``'s closed links once nothing can write through them:
+        none of its rooms waits for a fence (each sender that wrote fenced, by Success or a fencing
+        Failed/AbortAck) and no revocation of it is under way. A room still unfenced makes the
+        session revoke the peer instead, and the windows become junk (:meth:`revoke`)."""
+        keys = [k for k, p in self._retired.items() if p == peer]
+        if not keys or peer in self.session.revoking:
+            return
+        rooms = [*self.session.rooms.values(), *self.session.quarantined.values()]
+        if any(peer in r.unfenced() for r in rooms):
+            return
+        live = self._window_keys.get(peer, [])
+        for key in keys:
+            del self._retired[key]
+            if key in live:
+                live.remove(key)
+            self.backend.release_windows(key, junk=False)
+
+    def _free_junk(self, peer: PeerRef, link: Link) -> None:
+        """``peer`` accepted ``link``'s registration. On an engine whose writers accept a new
+        registration only once every transfer to an older one is final
+        (``Backend.registration_fences_older``), nothing revoked before it was sent can be written
+        any more: those junk windows are unmapped. Elsewhere they stay mapped (junk, no memory)
+        until the backend closes: a late write must never land in a reused address."""
+        junk = self._junk.get(peer)
+        if not junk or not self.backend.registration_fences_older:
+            return
+        for key in [k for k, at in junk.items() if at <= link.registered_at]:
+            del junk[key]
+            self.backend.release_windows(key, live=False)
 
     def send(self, link: Link, msg: wire.Message, version: tuple[int, int] | None) -> None:
         # numpy declares ndarray a buffer (its side frames) only from Python 3.12 on
@@ -432,6 +485,8 @@ class DecodeLinks:
             if isinstance(e, Send):
                 if isinstance(e.message, wire.RegisterInfo) and link in self._connect_of:
                     self._close_replaced(link)
+                if isinstance(e.message, wire.RegisterInfo):
+                    link.registered_at = time.monotonic()
                 self.send(link, e.message, e.version)
             elif isinstance(e, Completed):
                 self.stats.control_notifications += 1
@@ -511,10 +566,12 @@ class DecodeLinks:
             self._window_keys.setdefault(e.peer, []).append(link.key)
             self.stats.reconnects += 1
             self._update_fences(e.peer, e.version)
+            self._release_idle(e.peer)
         if self.registered.get(e.peer) is link:
             link.backoff_s = RETRY_FIRST_S
             link.revoked = False
             self.session.on_reregistered(e.peer)
+            self._free_junk(e.peer, link)
 
     def _update_fences(self, peer: PeerRef, version: tuple[int, int]) -> None:
         """A reconnected rank may speak another version: its fence promise follows it."""
@@ -554,6 +611,8 @@ class DecodeLinks:
                 # now, so that no room of the new registration can be taken for a revoked one)
                 self._window_keys.setdefault(peer, []).append(again.key)
                 self._handle(again, again.conn.reregister(self._local(again.key)))
+        for peer in set(self._retired.values()):
+            self._release_idle(peer)  # their rooms settled since the links closed
         self._retry(now)
 
     # ------------------------------------------------------------------ losses and revocations
@@ -594,6 +653,7 @@ class DecodeLinks:
         self._drop(link)
         self.stats.peers_lost += 1  # its rooms' failures name it; a loss alone is no failure
         self.rooms.run(self.session.on_peer_lost(peer, reason))
+        self._release_idle(peer)
         if reconnect:
             self._schedule_reconnect(link)
 
@@ -631,9 +691,12 @@ class DecodeLinks:
             self.stats.failures.append(f"{peer} cannot be revoked, its rooms stay quarantined: {why}")
             self.rooms.run(self.session.on_unrevocable(peer, why))
             return
-        settles = time.monotonic()
+        now = settles = time.monotonic()
+        junk = self._junk.setdefault(peer, {})
         for key in keys:
             settles = max(settles, self.backend.revoke(key).settles_at)
+            junk[key] = now
+            self._retired.pop(key, None)  # junk now: it waits for _free_junk's proof
         self._window_keys[peer] = []
         self.stats.revocations += 1
         self._settling.append((settles, peer))
