@@ -125,17 +125,19 @@ class Rank:
 
 
 def _server_args(
-    role: str, tp: int, bootstrap_port: int, http_port: int, pp: int = 1, dp: int = 1, **extra: Any
-) -> Any:
+    role: str, tp: int, bootstrap_port: int, http_port: int, pp: int = 1, dp: int = 1,
+    replicas: bool = False, **extra: Any,
+) -> Any:  # fmt: skip
     """An engine's arguments; with ``dp`` > 1, DP attention: ``dp`` groups of ``tp`` attention
-    ranks (SGLang's TP size is then ``tp * dp``)."""
+    ranks (SGLang's TP size is then ``tp * dp``), or with ``replicas`` a DP controller's ``dp``
+    replicas of TP ``tp``."""
     from sglang.srt.server_args import ServerArgs
 
     if dp > 1:
-        extra.update(dp_size=dp, enable_dp_attention=True)
+        extra.update(dp_size=dp, enable_dp_attention=not replicas)
     return ServerArgs(
         model_path="dummy",  # like SGLang's own test topologies: no model is loaded
-        tp_size=tp * dp,
+        tp_size=tp if replicas else tp * dp,
         pp_size=pp,
         **extra,
         disaggregation_mode=role,
@@ -220,21 +222,25 @@ def _scheduler_stand_in(
 def make_rank(
     role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int,
     model: Model = SWA_HYBRID, pp: int = 1, pp_rank: int = 0, dp: int = 1, dp_rank: int = 0,
-    **server_args: Any,
+    replicas: bool = False, **server_args: Any,
 ) -> Rank:  # fmt: skip
     """One scheduler rank: attention TP rank ``tp_rank`` of DP group ``dp_rank`` in PP stage
     ``pp_rank`` (SGLang's launcher places it at world rank ``tp * dp * pp_rank + tp * dp_rank +
-    tp_rank``), holding the stage's own layers."""
+    tp_rank``), holding the stage's own layers; with ``replicas``, TP rank ``tp_rank`` of the DP
+    controller's replica ``dp_rank`` (world rank ``tp * pp_rank + tp_rank`` of its own world)."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
     start, end = model.stage(pp, pp_rank)
-    sa = _server_args(role, tp, bootstrap_port, http_port, pp=pp, dp=dp, **server_args)
-    engine_tp_rank = tp * dp_rank + tp_rank
-    ctx = create_context(
-        sa, role="scheduler", ranks=SpawnRanks(world_rank=tp * dp * pp_rank + engine_tp_rank)
-    )
+    sa = _server_args(role, tp, bootstrap_port, http_port, pp=pp, dp=dp, replicas=replicas, **server_args)
+    if replicas:
+        engine_tp_rank = tp_rank
+        spawn = SpawnRanks(world_rank=tp * pp_rank + tp_rank, dp_rank=dp_rank)
+    else:
+        engine_tp_rank = tp * dp_rank + tp_rank
+        spawn = SpawnRanks(world_rank=tp * dp * pp_rank + engine_tp_rank)
+    ctx = create_context(sa, role="scheduler", ranks=spawn)
     with use_context(ctx):
         kv_pool, req_pool, metadata, layers = _pools(model, tp, start, end)
         stand_in = _scheduler_stand_in(model, engine_tp_rank, pp_rank, kv_pool, req_pool, metadata, sa)

@@ -61,7 +61,9 @@ class Engines:
     """A prefill engine of ``pdp`` DP groups of ``ptp`` attention ranks and a decode engine of
     ``ddp`` x ``dtp`` around one bootstrap server (``groups[role][dp]``: a DP group's ranks)."""
 
-    def __init__(self, sg: Any, pdp: int, ptp: int, ddp: int, dtp: int, balance: str = FOLLOW) -> None:
+    def __init__(
+        self, sg: Any, pdp: int, ptp: int, ddp: int, dtp: int, balance: str = FOLLOW, replicas: bool = False
+    ) -> None:
         self.sg = sg
         self.port = h.free_port()
         self.server = sg.server(host="127.0.0.1", port=self.port)
@@ -72,7 +74,10 @@ class Engines:
         for role, dp, tp, http in (("prefill", pdp, ptp, http_p), ("decode", ddp, dtp, http_d)):
             extra = {"load_balance_method": balance} if role == "prefill" else {}
             self.groups[role] = [
-                [h.make_rank(role, tp, t, self.port, http, dp=dp, dp_rank=g, **extra) for t in range(tp)]
+                [
+                    h.make_rank(role, tp, t, self.port, http, dp=dp, dp_rank=g, replicas=replicas, **extra)
+                    for t in range(tp)
+                ]
                 for g in range(dp)
             ]
             self.ranks += [r for group in self.groups[role] for r in group]
@@ -270,25 +275,31 @@ def _rooms(n: int, base: int) -> dict[int, int]:
     return {base + i: (9, 22, 16, 13, 7, 18)[i % 6] for i in range(n)}
 
 
-@pytest.mark.parametrize("keys", [False, True], ids=["insecure", "curve"])
+@pytest.mark.parametrize(
+    ("keys", "replicas"),
+    [(False, False), (True, False), (False, True)],
+    ids=["insecure", "curve", "replicas"],
+)
 def test_dp2_prefill_to_dp2_decode_follows_the_room(
-    sglang: Any, keys: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    sglang: Any, keys: bool, replicas: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill DP 2 x TP 1 -> decode DP 2 x TP 1, SGLang's default routing (a room's prefill DP
     group is ``room % 2``): rooms of both prefill groups into both decode groups. The two decode
     ranks have the same attention TP rank (0) in one engine: both stay registered with every
     prefill rank, with the deployment's CURVE keys too (a shared key does not make one the
-    other's restart)."""
+    other's restart). ``replicas``: the same with a DP controller's replicas (``--dp-size 2``
+    without DP attention), filed by their replica rank."""
     if keys:
         from pdwire.runtime.control_auth import ENV_INSECURE, ENV_KEYS, generate_directory
 
         generate_directory(tmp_path / "keys")
         monkeypatch.setenv(ENV_KEYS, str(tmp_path / "keys"))
         monkeypatch.delenv(ENV_INSECURE, raising=False)
-    eng = Engines(sglang, 2, 1, 2, 1)
+    eng = Engines(sglang, 2, 1, 2, 1, replicas=replicas)
     try:
         assert [r.manager.rank.dp_rank for r in eng.ranks] == [0, 1, 0, 1]
-        rooms = _rooms(8, 6100 + 10 * keys)
+        assert {r.manager.system_dp_size for r in eng.ranks} == {2 if replicas else 1}
+        rooms = _rooms(8, 6100 + 10 * keys + 20 * replicas)
         prefill_of = {r: r % 2 for r in rooms}
         decode_of = {r: (r // 2) % 2 for r in rooms}  # every (prefill, decode) pair of groups
         pre_out, dec_out = _run(eng, prefill_of, decode_of, rooms)
