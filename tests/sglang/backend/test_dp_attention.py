@@ -312,6 +312,24 @@ def test_dp2_prefill_to_dp2_decode_follows_the_room(
         eng.close()
 
 
+@pytest.mark.parametrize(("pdp", "ddp"), [(2, 1), (1, 2), (3, 2)], ids=lambda n: f"dp{n}")
+def test_any_dp_size_on_either_side(sglang: Any, pdp: int, ddp: int) -> None:
+    """Prefill DP ``pdp`` x TP 1 -> decode DP ``ddp`` x TP 1 (DP attention on one side only, or
+    sizes that do not divide): every decode group reads rooms of every prefill group it is given,
+    each from the group ``room % pdp``, byte for byte."""
+    eng = Engines(sglang, pdp, 1, ddp, 1)
+    try:
+        assert [r.manager.rank.dp_rank for r in eng.ranks] == [*range(pdp), *range(ddp)]
+        rooms = _rooms(max(4, pdp * ddp), 6400 + 10 * pdp + ddp)  # at most 4 per rank (its Mamba slots)
+        prefill_of = {r: r % pdp for r in rooms}
+        decode_of = {r: (r // pdp) % ddp for r in rooms}
+        assert len({(prefill_of[r], decode_of[r]) for r in rooms}) == pdp * ddp
+        pre_out, dec_out = _run(eng, prefill_of, decode_of, rooms)
+        _check(eng, prefill_of, pre_out, dec_out)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize(
     ("balance", "force", "ptp"),
     [("round_robin", False, 2), (FOLLOW, True, 1)],
