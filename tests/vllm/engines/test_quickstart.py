@@ -104,7 +104,9 @@ class QuickStart:
         pending = [self.url("8100") + "/health", self.url("8200") + "/health", self.url("8000") + "/healthz"]
         while pending:
             assert self.proc is not None
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            # a server that died leaves bash waiting on the others: its traceback says so at once
+            died = "Traceback (most recent call last)" in self.log.read_text(errors="replace")
+            if died or self.proc.poll() is not None or time.monotonic() > deadline:
                 raise h.EngineError(f"quick start not ready ({pending[0]})\n{self.log_tail()}")
             with contextlib.suppress(OSError), urllib.request.urlopen(pending[0], timeout=5) as r:
                 if r.status == 200:
@@ -115,13 +117,24 @@ class QuickStart:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def _group_alive(self) -> bool:
+        assert self.proc is not None
+        self.proc.poll()  # reap bash, the group leader
+        try:
+            os.killpg(self.proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def close(self) -> None:
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(60)
+        deadline = time.monotonic() + 60  # the servers stop their engine cores themselves
+        while self._group_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(0.5)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
         with contextlib.suppress(subprocess.TimeoutExpired):
