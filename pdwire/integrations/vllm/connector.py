@@ -71,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "pdwire_backend_options": {},
     "pdwire_host": "127.0.0.1",  # where a prefill rank's control socket binds
     "pdwire_advertise_host": None,  # what decode connects to, when the bind address is not it
-    "pdwire_room_timeout_s": 120.0,  # also the lease: prefill frees blocks no decode asked for
+    "pdwire_room_timeout_s": 120.0,  # also the lease: prefill frees blocks no decode asked for or renewed
     "pdwire_transfer_timeout_s": 60.0,
     "pdwire_handshake_timeout_s": 120.0,
     "pdwire_peer_timeout_s": 10.0,  # decode: a prefill rank silent this long (heartbeats) is lost
