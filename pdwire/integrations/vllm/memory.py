@@ -693,7 +693,7 @@ def stage_first_layer(groups: Sequence[Group | None], pp_size: int) -> int:
     ids = sorted(extract_layer_index(name) for name in kv[0].layers)
     if ids != list(range(ids[0], ids[0] + len(ids))):
         raise LayoutError(f"PP stage KV layers {ids} are not one run of the model's layers")
-    return ids[0]
+    return int(ids[0])
 
 
 def _model_layer_order(kv_caches: Mapping[str, Any]) -> list[str]:
