@@ -151,3 +151,47 @@ def test_a_room_whose_start_is_refused_is_renewed_no_more(pair: Pair) -> None:
         pair.dec.start_room(11, pd.RequestIndices([4, 5], state=[[2], [3]]), group)
     pair.run_for(LEASE_S)
     assert pair.dec.stats.leases_sent == 1 and timed_out(pair, 11)  # the engine must decline it
+
+
+def test_a_tp_2_prefill_is_renewed_on_both_ranks_and_its_room_then_arrives() -> None:
+    prefills, mems = [], []
+    for r in range(2):
+        m = rank_memory(f"pre-tp-{r}", 2, r, list(range(LAYERS)))
+        for layer in range(LAYERS):
+            m.k[layer][[0, 1]] = np.uint8(10 * r + layer + 1)
+        cfg = pd.PrefillConfig(
+            engine_id="pre", rank=pd.ParallelRank(2, r), model=MODEL, room_timeout_s=LEASE_S
+        )
+        prefills.append(pd.PrefillWorker(cfg, m.memory, backend=m.backend))
+        mems.append(m)
+    dm = rank_memory("dec-tp", 1, 0, list(range(LAYERS)))
+    finished: list[tuple[int, pd.Status, pd.Failure | None]] = []
+    dcfg = pd.DecodeConfig(engine_id="dec", rank=pd.ParallelRank(), model=MODEL)
+    dec = pd.DecodeWorker(dcfg, dm.memory, backend=dm.backend, on_finished=lambda *a: finished.append(a))
+    workers: list[Worker] = [*prefills, dec]
+    try:
+        group = dec.connect([w.endpoint for w in prefills])
+        pump(workers, lambda: group.ready, "the handshake")
+        for w in prefills:
+            w.send_chunk(12, [0, 1], last=True, state=[[0]], aux_index=0)
+        dec.hold(12, group)
+        end = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < end:
+            for w in workers:
+                w.step(2)
+        # one Lease per prefill rank and interval; neither rank let the room go
+        assert all(w.stats.rooms_renewed >= 3 for w in prefills), [w.stats.leases for w in prefills]
+        assert dec.stats.leases_sent == sum(w.stats.leases for w in prefills)
+        assert all(w.status(12) is pd.Status.BOOTSTRAPPING for w in prefills)
+        dec.start_room(12, pd.RequestIndices([4, 5], state=[[1]], aux_index=1), group)
+        pump(workers, lambda: bool(finished), "room 12")
+        assert finished == [(12, pd.Status.SUCCESS, None)]
+        for layer in range(LAYERS):  # each decode head from its prefill rank
+            got = dm.k[layer][[4, 5]]
+            assert (got[:, :, 0] == layer + 1).all() and (got[:, :, 1] == 10 + layer + 1).all()
+    finally:
+        dec.close()
+        for w in prefills:
+            w.close()
+        for m in (*mems, dm):
+            m.backend.close()
