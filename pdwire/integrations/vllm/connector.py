@@ -70,7 +70,10 @@ DEFAULTS: dict[str, Any] = {
     "pdwire_backend": None,  # registry name; None: NIXL when it imports
     "pdwire_backend_options": {},
     "pdwire_host": "127.0.0.1",  # where a prefill rank's control socket binds
-    "pdwire_advertise_host": None,  # what decode connects to, when the bind address is not it
+    # what decode connects to, when the bind address is not it: one host, or one per rank of the
+    # engine (PP stage major) for ranks on several nodes; PDWIRE_ADVERTISE_HOST in a rank's
+    # environment wins (each node's own address)
+    "pdwire_advertise_host": None,
     "pdwire_room_timeout_s": 120.0,  # also the lease: prefill frees blocks no decode asked for or renewed
     "pdwire_transfer_timeout_s": 60.0,
     "pdwire_handshake_timeout_s": 120.0,
@@ -92,6 +95,24 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
             f"PdwireConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(DEFAULTS)}"
         )
     return {k: given.get(k, v) for k, v in DEFAULTS.items()}
+
+
+def advertised_host(value: Any, rank_index: int, ranks: int) -> str | None:
+    """The host a prefill rank advertises: ``PDWIRE_ADVERTISE_HOST`` in its environment, else
+    ``pdwire_advertise_host`` (one host, or a list of one per rank, PP stage major), else None
+    (the bind address)."""
+    own = os.environ.get("PDWIRE_ADVERTISE_HOST")
+    if own:
+        return own
+    if value is None or isinstance(value, str):
+        return value
+    hosts = value if isinstance(value, list | tuple) else ()
+    if len(hosts) != ranks or not all(isinstance(v, str) for v in hosts):
+        raise ValueError(
+            f"PdwireConnector: pdwire_advertise_host must be a host or a list of {ranks} hosts (one per "
+            f"rank, PP stage major), got {value!r}"
+        )
+    return str(hosts[rank_index])
 
 
 def model_fingerprint(
@@ -553,7 +574,8 @@ class _Worker:
         worker: pd.PrefillWorker | pd.DecodeWorker
         if self.is_producer:
             host = self.extra["pdwire_host"]
-            adv = self.extra["pdwire_advertise_host"]
+            index = self.pp_rank * self.tp_size + self.tp_rank
+            adv = advertised_host(self.extra["pdwire_advertise_host"], index, self.tp_size * self.pp_size)
             cfg = pd.PrefillConfig(
                 **common, bind=f"tcp://{host}:0", advertise=None if adv is None else f"tcp://{adv}"
             )
@@ -833,13 +855,15 @@ class PdwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ValueError(
                 f"PdwireConnector: kv_role must be kv_producer or kv_consumer, got {kv.kv_role!r}"
             )
-        extra_config(vllm_config)  # refuse unknown keys at start-up, on both sides
+        extra = extra_config(vllm_config)  # refuse unknown keys at start-up, on both sides
         pp = vllm_config.parallel_config.pipeline_parallel_size
         if kv.kv_role == "kv_consumer" and pp > 1:
             raise ValueError(
                 f"PdwireConnector: decode with pipeline parallelism (PP {pp}): a prefill rank writes every "
                 "layer it holds into one decode rank, so decode runs PP 1 (prefill may run any PP)"
             )
+        ranks = pp * vllm_config.parallel_config.tensor_parallel_size
+        advertised_host(extra["pdwire_advertise_host"], 0, ranks)  # a bad list, at start-up
         engine_id = str(kv.engine_id)
         self._scheduler: _Scheduler | None = None
         self._worker: _Worker | None = None

@@ -129,3 +129,17 @@ def test_decode_with_pp_is_refused_at_start_up_by_name() -> None:
             KVConnectorRole.SCHEDULER,
             None,  # type: ignore[arg-type]
         )
+
+
+def test_each_rank_advertises_its_own_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdwire.integrations.vllm.connector import advertised_host
+
+    monkeypatch.delenv("PDWIRE_ADVERTISE_HOST", raising=False)
+    assert advertised_host(None, 1, 2) is None  # the bind address
+    assert advertised_host("10.0.0.5", 1, 2) == "10.0.0.5"
+    hosts = ["10.0.0.1", "10.0.0.1", "10.0.1.1", "10.0.1.1"]  # PP 2 x TP 2, one node per stage
+    assert [advertised_host(hosts, i, 4) for i in range(4)] == hosts
+    with pytest.raises(ValueError, match="a list of 4 hosts"):
+        advertised_host(hosts[:3], 0, 4)
+    monkeypatch.setenv("PDWIRE_ADVERTISE_HOST", "192.168.7.7")  # a node's own address wins
+    assert advertised_host(hosts, 2, 4) == "192.168.7.7"
