@@ -151,7 +151,7 @@ def dense_prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="session")
 def hybrid_prompts() -> dict[str, list[int]]:
-    # vLLM CPU's Mamba2 kernel fails when several prefills share a batch: one prompt at a time
+    # two prompts: the NixlConnector comparison; batches of four are test_hybrid.py's own
     return h.random_prompts(2, PROMPT_LEN, seed=2)
 
 

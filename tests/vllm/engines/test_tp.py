@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 def _pair(
     model: str, name: str, prefill_tp: int, decode_tp: int, *, hybrid: bool = False
 ) -> list[h.EngineSpec]:
-    # vLLM CPU's Mamba2 kernel: one prefill per batch, the hybrid allocator's own block size
+    # the hybrid: one request at a time (batches are test_hybrid.py's), the allocator's own block size
     engine: dict[str, Any] = {"block_size": None, "max_num_seqs": 1} if hybrid else {}
 
     def cpus(tp: int, alone: str) -> str:
