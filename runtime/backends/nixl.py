@@ -104,6 +104,14 @@ DEFAULT_PROGRESS_DELAY_US = 1000
 # cma either way and only the notification path changes.
 DEFAULT_UCX_PARAMS: dict[str, str] = {"num_threads": "2"}
 
+# NIXL 1.5.1's remove_remote_agent does not close UCX's connections to the agent: every remove
+# and add of the same peer left 3 sockets on each side (1 without the thread pool), measured. So
+# the entry of a removed peer is kept ("parked") and updated in place when the same process
+# registers again (add_remote_agent of a known agent loads its new registrations over the live
+# connection); a new incarnation of the name (another pid or address) replaces it. At most this
+# many are parked; the oldest goes then.
+PARKED_AGENTS = 64
+
 # Automatic prepped dlists (see the module notes): tables of fewer rows gain nothing from them;
 # a layout of more slots than this a side costs more to list than it saves; layouts kept a peer.
 PREPPED_MIN_ROWS = 64
@@ -265,6 +273,10 @@ class NixlBackend(Backend):
         self._grid_starts: dict[tuple[Any, ...], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
         self.prepped_posts = 0  # posts that went through prepped dlists
         self._orphans: list[Any] = []  # request handles NIXL could not release yet
+        # agent name -> (pid, addresses) of each peer added, and of removed ones still known to
+        # NIXL (parked, see PARKED_AGENTS)
+        self._incarnation: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self._parked: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._local_cols: _RegionInfo | None = None
 
     # ---- memory
@@ -320,8 +332,22 @@ class NixlBackend(Backend):
     # ---- peers
     def _add_peer(self, metadata: PeerMetadata) -> Peer:
         md = decode_envelope(self.name, metadata)
+        incarnation = (md.pid, tuple(map(str, md.extra.get("addresses", []))))
+        parked = self._parked.pop(md.agent_name, None)
+        if parked is not None and parked != incarnation:  # a restarted peer: its old connection is dead
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(md.agent_name)
         try:
-            name = self._agent.add_remote_agent(md.engine)
+            try:
+                name = self._agent.add_remote_agent(md.engine)
+            except Exception:
+                if parked is None or parked != incarnation:
+                    raise
+                # another agent of that name in the same process (its connection info differs:
+                # NIXL refuses it over the parked entry): replaced like a restarted peer
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(md.agent_name)
+                name = self._agent.add_remote_agent(md.engine)
         except Exception as exc:
             # UCX connects here: an address the peer advertised that this host cannot reach
             # fails now, at the handshake, and the error names it
@@ -335,6 +361,7 @@ class NixlBackend(Backend):
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != md.agent_name:
             raise PeerError(f"NIXL metadata names agent {name!r}, envelope says {md.agent_name!r}")
+        self._incarnation[name] = incarnation
         return Peer(md.agent_name, md.regions, md.pid, dst_delta=md.window)
 
     def _remove_peer(self, peer: Peer) -> None:
@@ -348,9 +375,17 @@ class NixlBackend(Backend):
             # Replaced by a newer peer of the same name while its transfers were stopping:
             # NIXL's entry for the name is the newer peer's now.
             return
-        # A dead peer may already be disconnected; the name is forgotten either way.
-        with contextlib.suppress(Exception):
-            self._agent.remove_remote_agent(peer.agent_name)
+        # Kept for the same process registering again (see PARKED_AGENTS); nothing can be posted
+        # to it meanwhile (the base refuses a removed peer)
+        incarnation = self._incarnation.pop(peer.agent_name, None)
+        if incarnation is None:
+            return
+        self._parked[peer.agent_name] = incarnation
+        while len(self._parked) > PARKED_AGENTS:
+            oldest = next(iter(self._parked))
+            del self._parked[oldest]
+            with contextlib.suppress(Exception):  # a dead peer may already be disconnected
+                self._agent.remove_remote_agent(oldest)
 
     # ---- transfers
     def _local_info(self) -> _RegionInfo:
