@@ -294,22 +294,37 @@ def _kv_pool(
             head_stride=head_stride,
             token_stride=token_stride if g.kv_per_token else None,
         )
-    # without strides on the wire an item is the whole stride (padding included)
-    page = item if strided else stride
+    # one replicated-looking latent per block, copied whole; without strides on the wire an item
+    # is the whole stride (padding included)
+    return _whole_blocks(
+        bases, num_blocks, stride, item if strided else stride, g.block_size, kind, device_id
+    )
+
+
+def _whole_blocks(
+    bases: Sequence[int],
+    num_blocks: int,
+    stride: int,
+    item: int,
+    block_size: int,
+    kind: pd.MemoryKind,
+    device: int,
+) -> pd.KvPool:
+    """A pool of one latent-like item per block and layer (``is_mla``): copied whole, never sliced."""
     return pd.KvPool(
         k_base_addrs=tuple(bases),
         v_base_addrs=(),
-        region_lens=tuple((num_blocks - 1) * stride + page for _ in bases),
-        bytes_per_page=page,
-        page_size=g.block_size,
+        region_lens=tuple((num_blocks - 1) * stride + item for _ in bases),
+        bytes_per_page=item,
+        page_size=block_size,
         layout=pd.Layout.NHD,
         kv_heads_per_rank=1,
         total_kv_heads=1,
-        bytes_per_head=page // g.block_size,
-        is_mla=True,  # one replicated-looking latent per block: copied whole
+        bytes_per_head=item // block_size,
+        is_mla=True,
         memory_kind=kind,
-        device_id=device_id,
-        page_stride=stride if strided and stride != page else None,
+        device_id=device,
+        page_stride=stride if stride != item else None,
     )
 
 
@@ -338,21 +353,8 @@ def _mla_pool(g: MlaGroup, tensors: Mapping[str, LayerTensor], num_blocks: int, 
             )
 
     bases, stride, kind, device_id = _layers("MLA", g.layers, tensors, check)
-    item = page if strided else stride
-    return pd.KvPool(
-        k_base_addrs=tuple(bases),
-        v_base_addrs=(),
-        region_lens=tuple((num_blocks - 1) * stride + item for _ in bases),
-        bytes_per_page=item,
-        page_size=g.block_size,
-        layout=pd.Layout.NHD,
-        kv_heads_per_rank=1,
-        total_kv_heads=1,
-        bytes_per_head=item // g.block_size,
-        is_mla=True,
-        memory_kind=kind,
-        device_id=device_id,
-        page_stride=stride if stride != item else None,
+    return _whole_blocks(
+        bases, num_blocks, stride, page if strided else stride, g.block_size, kind, device_id
     )
 
 
