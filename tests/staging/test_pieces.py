@@ -41,32 +41,42 @@ def _expected(rows: list[tuple[int, int, int, int, int]], buffers: list[np.ndarr
     return out
 
 
-@settings(max_examples=200)
-@given(
+def copy_case(
+    length: int, count: int, grid: bool, seed: int, direction: str
+) -> tuple[np.ndarray, np.ndarray, list[Region], list[tuple[int, int, int, int, int]]]:
+    """(src, dst, their regions, rows from src to dst) of a gather, a scatter or neither."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
+    dst = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
+    # disjoint places two rows apart, in random order; off the grid every other row moves a little
+    slots = rng.permutation(3 * count)[:count] * 2 * length
+    scattered = [int(p) + (0 if grid or i % 2 == 0 else int(rng.integers(1, 8))) for i, p in enumerate(slots)]
+    start = int(rng.integers(0, 16))
+    packed = [start + i * length for i in range(len(scattered))]
+    pairs = {
+        "gather": (scattered, packed),
+        "scatter": (packed, scattered),
+        "neither": (scattered, scattered[::-1]),
+    }
+    rows = [(0, s, 1, d, length) for s, d in zip(*pairs[direction], strict=True)]
+    return src, dst, _regions(src, dst), rows
+
+
+COPY_CASES = dict(
     length=st.sampled_from([8, 24, 512, 1000, 70000]),
     count=st.integers(1, 40),
     grid=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
     direction=st.sampled_from(["gather", "scatter", "neither"]),
 )
+
+
+@settings(max_examples=200)
+@given(**COPY_CASES)
 def test_host_copier_matches_a_row_by_row_copy(
     length: int, count: int, grid: bool, seed: int, direction: str
 ) -> None:
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
-    dst = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
-    regions = _regions(src, dst)
-    # disjoint places two rows apart, in random order; off the grid every other row moves a little
-    slots = rng.permutation(3 * count)[:count] * 2 * length
-    scattered = [int(p) + (0 if grid or i % 2 == 0 else int(rng.integers(1, 8))) for i, p in enumerate(slots)]
-    start = int(rng.integers(0, 16))
-    packed = [start + i * length for i in range(len(scattered))]
-    if direction == "gather":
-        rows = [(0, s, 1, d, length) for s, d in zip(scattered, packed, strict=True)]
-    elif direction == "scatter":
-        rows = [(0, s, 1, d, length) for s, d in zip(packed, scattered, strict=True)]
-    else:
-        rows = [(0, s, 1, d, length) for s, d in zip(scattered, scattered[::-1], strict=True)]
+    src, dst, regions, rows = copy_case(length, count, grid, seed, direction)
     want = _expected(rows, [src, dst])
     HostCopier(regions).copy(_table(rows, regions))
     assert np.array_equal(dst, want[1]) and np.array_equal(src, want[0])

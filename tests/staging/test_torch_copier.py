@@ -8,38 +8,19 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pdwire.runtime.descriptors import MemoryKind
 from pdwire.runtime.staging import CopyError
 from pdwire.runtime.staging.torch_copy import TorchCopier
-from tests.staging.test_pieces import _expected, _regions, _table
+from tests.staging.test_pieces import COPY_CASES, _expected, _regions, _table, copy_case
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    length=st.sampled_from([8, 24, 512, 1000]),
-    count=st.integers(1, 40),
-    grid=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-    direction=st.sampled_from(["gather", "scatter", "neither"]),
-)
+@given(**COPY_CASES)
 def test_torch_copier_matches_a_row_by_row_copy(
     length: int, count: int, grid: bool, seed: int, direction: str
 ) -> None:
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
-    dst = rng.integers(0, 256, size=length * count * 6 + 64, dtype=np.uint8)
-    regions = _regions(src, dst)
-    slots = rng.permutation(3 * count)[:count] * 2 * length
-    scattered = [int(p) + (0 if grid or i % 2 == 0 else int(rng.integers(1, 8))) for i, p in enumerate(slots)]
-    packed = [int(rng.integers(0, 16)) + i * length for i in range(count)]
-    pairs = {
-        "gather": zip(scattered, packed, strict=True),
-        "scatter": zip(packed, scattered, strict=True),
-        "neither": zip(scattered, scattered[::-1], strict=True),
-    }[direction]
-    rows = [(0, s, 1, d, length) for s, d in pairs]
+    src, dst, regions, rows = copy_case(length, count, grid, seed, direction)
     want = _expected(rows, [src, dst])
     TorchCopier([torch.from_numpy(src), torch.from_numpy(dst)]).copy(_table(rows, regions))
     assert np.array_equal(dst, want[1]) and np.array_equal(src, want[0])
