@@ -165,6 +165,10 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
+        # SGLang's is_mla_backend is False for a HybridLinearKVPool over MLATokenToKVPool
+        # (Kimi-Linear: MLA latents + KDA state); the pool's own flag, in KVArgs, says so
+        self.is_hybrid_mla_backend = bool(getattr(args, "is_hybrid_mla_backend", False))
+        mla = self.is_mla_backend or self.is_hybrid_mla_backend
         self.kv_cache_dtype_str = getattr(args, "kv_cache_dtype_str", "auto")
         parallel = get_parallel()
         self.attn_tp_size = int(parallel.attn_tp_size)
@@ -204,7 +208,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
         self.local_ip = get_local_ip_auto()
         self.kinds = state_kinds(args)
-        if disaggregation_mode == DisaggregationMode.DECODE and not is_mla_backend:
+        if disaggregation_mode == DisaggregationMode.DECODE and not mla:
             fill_decode_heads(args)
         fill_layer_ids(args)
         if disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1:
@@ -236,7 +240,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             dp_rank=self.dp_group,
         )  # fmt: skip
         try:
-            self.memory = rank_memory(args, _geometry(args, self.rank, self.is_mla_backend))
+            self.memory = rank_memory(args, _geometry(args, self.rank, mla))
         except KVArgsError as exc:
             raise ValueError(f"pdwire cannot describe this rank's memory: {exc}") from exc
         self.model = pd.ModelFingerprint(

@@ -1,0 +1,215 @@
+"""A hybrid MLA model (Kimi-Linear's pools: MLA latents + KDA linear state) through pdwire's
+SGLang backend, between different attention-TP sizes.
+
+SGLang 0.5.23 builds a ``HybridLinearKVPool`` over an ``MLATokenToKVPool`` for the
+full-attention layers and a ``HybridReqToTokenPool`` whose Mamba pool holds the KDA state
+(``KimiLinearCacheParams``: conv ``[K-1, q|k|v channels]``, recurrent state ``[heads, d, d]``).
+SGLang's ``is_mla_backend`` is False for the hybrid pool; its ``KVArgs.is_hybrid_mla_backend``
+says the latents are MLA. pdwire carries the latents as its MLA KV pool (replicated: every
+decode rank gets the whole latent from one prefill rank) and the KDA state sharded (conv by
+its q|k|v sub-blocks on every one of the K-1 rows, the recurrent state by heads).
+
+Real pools on the CPU, ``KVArgs`` and managers from SGLang's own ``_init_kv_manager``, its
+bootstrap server, senders and receivers driven in the schedulers' order (``test_transfer``'s
+engines), NIXL agents per rank; every decode rank's latents, KDA slot and aux item compared
+byte for byte with its share of model-wide content.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+
+from tests.sglang.backend import harness as h  # noqa: E402
+from tests.sglang.backend import test_transfer as tt  # noqa: E402
+
+pytest.importorskip("nixl")
+
+sglang = tt.sglang  # the module's plugin-loaded SGLang classes
+
+# Kimi-Linear-like: KDA layers 0, 1, 3, 4; MLA layers 2, 5
+MODEL = h.Model("linear", 6, mamba=(0, 1, 3, 4), full=(2, 5))
+LORA, ROPE = 16, 8  # MLA latent: kv_lora_rank + qk_rope_head_dim
+HEADS, HEAD_DIM, KERNEL = 4, 8, 4  # KDA: heads (q, k and v alike), head dim, conv kernel
+GROUPS = [HEADS * HEAD_DIM] * 3  # conv channels q | k | v
+
+
+def _pools(tp: int) -> tuple[Any, Any, Any, Any]:
+    """What SGLang's model runner builds for Kimi-Linear on one attention-TP rank."""
+    from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    shape = KimiLinearStateShape.create(
+        tp_world_size=tp, num_heads=HEADS, head_dim=HEAD_DIM, conv_kernel_size=KERNEL
+    )
+    params = KimiLinearCacheParams(
+        shape=shape, layers=list(MODEL.mamba),
+        dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
+    )  # fmt: skip
+    req_pool = HybridReqToTokenPool(
+        size=h.MAMBA_SLOTS, mamba_size=h.MAMBA_SLOTS, mamba_spec_state_size=0,
+        max_context_len=h.POOL_TOKENS, device="cpu", enable_memory_saver=False, cache_params=params,
+        mamba_layer_ids=list(MODEL.mamba), enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False, start_layer=0,
+    )  # fmt: skip
+    kv_pool = HybridLinearKVPool(
+        size=h.POOL_TOKENS, dtype=torch.bfloat16, page_size=h.PAGE, head_num=1, head_dim=LORA + ROPE,
+        full_attention_layer_ids=list(MODEL.full), device="cpu", mamba_pool=req_pool.mamba_pool,
+        use_mla=True, kv_lora_rank=LORA, qk_rope_head_dim=ROPE, start_layer=0,
+    )  # fmt: skip
+    metadata = MetadataBuffers(
+        h.AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+    )
+    return kv_pool, req_pool, metadata, SimpleNamespace(full=list(MODEL.full), mamba=list(MODEL.mamba))
+
+
+def make_rank(role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int) -> h.Rank:
+    """A scheduler rank with Kimi-Linear's pools, its manager from SGLang's ``_init_kv_manager``."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+
+    sa = h._server_args(role, tp, bootstrap_port, http_port)
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    with use_context(ctx):
+        kv_pool, req_pool, metadata, layers = _pools(tp)
+        # SGLang's own is_mla_backend(pool) for the hybrid pool: False (the stand-in says so)
+        stand_in = h._scheduler_stand_in(MODEL, tp_rank, 0, kv_pool, req_pool, metadata, sa)
+        init = PrefillBootstrapQueue if role == "prefill" else DecodePreallocQueue
+        manager = init._init_kv_manager(stand_in)
+    return h.Rank(
+        role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx, full_layers=layers.full,
+        mamba_layers=layers.mamba,
+    )  # fmt: skip
+
+
+def latent(room: int, layer: int, tokens: int) -> np.ndarray:
+    """[tokens, 1, LORA + ROPE] bf16 bit patterns of one layer's MLA latents (every rank's)."""
+    return h._rng(room, f"mla{layer}").integers(0, 1 << 16, size=(tokens, 1, LORA + ROPE), dtype=np.uint16)
+
+
+def kda_conv(room: int, layer: int) -> np.ndarray:
+    """[K-1, q|k|v channels] bf16 bit patterns, unsharded."""
+    return h._rng(room, f"kconv{layer}").integers(0, 1 << 16, size=(KERNEL - 1, sum(GROUPS)), dtype=np.uint16)
+
+
+def kda_state(room: int, layer: int) -> np.ndarray:
+    return h._rng(room, f"kssm{layer}").integers(
+        0, 1 << 32, size=(HEADS, HEAD_DIM, HEAD_DIM), dtype=np.uint32
+    )
+
+
+def conv_columns(tp: int, rank: int) -> np.ndarray:
+    """A rank's conv channels: its share of each of q, k and v."""
+    cols, off = [], 0
+    for g in GROUPS:
+        share = g // tp
+        cols.append(np.arange(off + rank * share, off + (rank + 1) * share))
+        off += g
+    return np.concatenate(cols)
+
+
+class MlaRequest(h.Request):
+    """A request's latent pages, KDA slot and aux item on one rank."""
+
+    def _kv_rows(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+        rows = self.token_rows(self.pages, self.seq_len)
+        pool = self.rank.kv_pool.full_kv_pool
+        return [
+            (
+                f"latent layer {layer}",
+                h._as_u16(pool.kv_buffer[local]),
+                rows,
+                latent(self.room, layer, self.seq_len),
+            )
+            for local, layer in enumerate(self.rank.full_layers)
+        ]
+
+    def regions(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        out = [(what, buf[rows], want) for what, buf, rows, want in self._kv_rows()]
+        cache = self.rank.req_pool.mamba_pool.mamba_cache
+        tp, r = self.rank.tp_size, self.rank.tp_rank
+        per = HEADS // tp
+        for local, layer in enumerate(self.rank.mamba_layers):
+            conv = h._as_u16(cache.conv[0][local, self.slot])  # [K-1, this rank's q|k|v]
+            out.append((f"kda conv layer {layer}", conv, kda_conv(self.room, layer)[:, conv_columns(tp, r)]))
+            ssm = h._as_u32(cache.temporal[local, self.slot])
+            out.append(
+                (f"kda state layer {layer}", ssm, kda_state(self.room, layer)[r * per : (r + 1) * per])
+            )
+        aux = self._aux_view()
+        out.append(("aux", aux, h.aux_bytes(self.room, aux.size)))
+        return out
+
+
+class MlaPair(tt.Pair):
+    """``test_transfer``'s prefill and decode engines, with Kimi-Linear's pools."""
+
+    def __init__(self, sglang: Any, p: int, d: int) -> None:
+        self.sg = sglang
+        self.port = h.free_port()
+        self.server = sglang["server"](host="127.0.0.1", port=self.port)
+        self.addr = f"127.0.0.1:{self.port}"
+        http_p, http_d = h.free_port(), h.free_port()
+        self.prefill = [make_rank("prefill", p, r, self.port, http_p) for r in range(p)]
+        self.decode = [make_rank("decode", d, r, self.port, http_d) for r in range(d)]
+
+
+def test_the_hybrid_pool_is_described_as_mla_latents_and_sharded_kda_state(sglang: Any) -> None:
+    """What SGLang's KVArgs and pdwire's memory say for the hybrid pool: SGLang's is_mla_backend
+    False, its hybrid flag True; pdwire's KV pool MLA with one buffer per full layer, the KDA
+    state one Mamba component, conv sharded on its q|k|v sub-blocks under K-1 rows."""
+    pair = MlaPair(sglang, 1, 2)
+    try:
+        for rank in pair.prefill + pair.decode:
+            mgr = rank.manager
+            assert (mgr.is_mla_backend, mgr.kv_args.is_hybrid_mla_backend) == (False, True)
+            kv = mgr.memory.kv
+            assert kv is not None and kv.is_mla and kv.num_layers == len(MODEL.full)
+            assert kv.bytes_per_page == h.PAGE * (LORA + ROPE) * 2
+            (state,) = mgr.memory.state
+            assert state.kind.value == "mamba" and state.layer_ids == MODEL.mamba
+            conv, ssm = state.tensors
+            tp = rank.tp_size
+            assert (conv.sharded_axis_size, conv.outer_rows, conv.sub_block_sizes) == (
+                sum(GROUPS) // tp, KERNEL - 1, tuple(GROUPS),
+            )  # fmt: skip
+            assert (ssm.sharded_axis_size, ssm.outer_rows) == (HEADS // tp, 1)
+    finally:
+        pair.close()
+
+
+def _run(pair: MlaPair, rooms: dict[int, int], sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h, "Request", MlaRequest)  # test_transfer's engines build h.Request
+    pre_out: dict[int, int] = {}
+    dec_out: dict[int, int] = {}
+    dec = h.EngineThread("decode-scheduler", tt._decode_engine(pair, rooms, dec_out))
+    pre = h.EngineThread("prefill-scheduler", tt._prefill_engine(pair, rooms, pre_out, chunk_pages=2))
+    dec.start()
+    pre.start()
+    dec.join(300)
+    pre.join(300)
+    assert dec.error is None, repr(dec.error)
+    assert pre.error is None, repr(pre.error)
+    KVPoll = sglang["KVPoll"]
+    assert {r: dec_out[r] for r in rooms} == {r: KVPoll.Success for r in rooms}, dec_out
+    assert pre_out == {r: KVPoll.Success for r in rooms}
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 1), (1, 2)])
+def test_hybrid_mla_requests_move_byte_for_byte(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch, p: int, d: int
+) -> None:
+    pair = MlaPair(sglang, p, d)
+    try:
+        _run(pair, {4001 + 10 * p + d: 22, 5003 + 10 * p + d: 9}, sglang, monkeypatch)
+    finally:
+        pair.close()
