@@ -135,6 +135,7 @@ def _server_args(
 
     if dp > 1:
         extra.update(dp_size=dp, enable_dp_attention=not replicas)
+    extra.setdefault("host", "127.0.0.1")
     return ServerArgs(
         model_path="dummy",  # like SGLang's own test topologies: no model is loaded
         tp_size=tp if replicas else tp * dp,
@@ -143,7 +144,6 @@ def _server_args(
         disaggregation_mode=role,
         disaggregation_transfer_backend="pdwire",
         disaggregation_bootstrap_port=bootstrap_port,
-        host="127.0.0.1",
         port=http_port,
         device="cpu",
     )
