@@ -43,6 +43,7 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import pdwire.runtime.engine as pd
+from pdwire.integrations.sglang.backend_options import advertised_host, rank_backend_options
 from pdwire.integrations.sglang.memory import (
     Geometry,
     KVArgsError,
@@ -50,6 +51,7 @@ from pdwire.integrations.sglang.memory import (
     fill_layer_ids,
     missing_pp_layer_ids,
     rank_memory,
+    refused_pool_kind,
     state_kinds,
 )
 
@@ -206,8 +208,17 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
 
         from sglang.srt.utils.network import get_local_ip_auto
 
-        self.local_ip = get_local_ip_auto()
+        # the address peers reach this rank at (its pdwire socket, and its backend's: Mooncake's
+        # hostname): SGLANG_HOST_IP, else --host when it is one address, else SGLang's own finding
+        self.local_ip = advertised_host(get_serving().host, get_local_ip_auto, os.environ)
         self.kinds = state_kinds(args)
+        refused = refused_pool_kind(args)
+        if refused is not None:
+            # KVArgs of these pools do not register the whole KV per layer: refused, never moved
+            raise ValueError(
+                f"pdwire: SGLang pool {refused}; the pdwire transfer backend does not carry it "
+                "(see docs/sglang.md, pool kinds)"
+            )
         if disaggregation_mode == DisaggregationMode.DECODE and not mla:
             fill_decode_heads(args)
         fill_layer_ids(args)
@@ -254,6 +265,11 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 "pdwire: PDWIRE_SGLANG_ENGINE is now PDWIRE_SGLANG_BACKEND (nixl, mooncake, local): rename it"
             )
         self.backend_name = os.environ.get("PDWIRE_SGLANG_BACKEND") or None
+        # from SGLang's flags (--host, --disaggregation-ib-device), PDWIRE_BACKEND_OPTIONS over them
+        self.backend_options = rank_backend_options(
+            self.backend_name or pd.default_backend(), self.local_ip,
+            getattr(args, "ib_device", None), int(getattr(args, "gpu_id", 0) or 0),
+        )  # fmt: skip
         self._lock = threading.Lock()
         # prefill: room -> status, refreshed by the driver; decode: room -> (status, failure)
         self.watched: dict[int, KVPoll] = {}
@@ -281,6 +297,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
     def _start_prefill(self) -> None:
         config = pd.PrefillConfig(
             engine_id=self._engine_id("prefill"), rank=self.rank, model=self.model, backend=self.backend_name,
+            backend_options=self.backend_options,
             bind=f"tcp://{self.local_ip}:0", room_timeout_s=self.waiting_timeout + self.bootstrap_timeout,
         )  # fmt: skip
         self.worker: Any = pd.PrefillWorker(config, self.memory, on_released=self._on_released)
@@ -299,6 +316,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
             )
         config = pd.DecodeConfig(
             engine_id=self._engine_id("decode"), rank=self.rank, model=self.model, backend=self.backend_name,
+            backend_options=self.backend_options,
             room_timeout_s=self.waiting_timeout,
         )  # fmt: skip
         self.worker = pd.DecodeWorker(

@@ -55,6 +55,8 @@ class PoolLayers:
     kv_start: int | None = None
     state: tuple[tuple[str, tuple[int, ...]], ...] = ()
     kv_start_missing: bool = False
+    # class names (with their bases) of the KV pool and its sub-pools, for refused_pool_kind
+    pool_classes: tuple[str, ...] = ()
 
 
 POOL_LAYERS: ContextVar[PoolLayers | None] = ContextVar("pdwire_pool_layers", default=None)
@@ -92,6 +94,38 @@ def missing_pp_layer_ids(args: Any) -> list[str]:
     if layers is not None and layers.kv_start_missing:
         out.insert(0, "the KV start layer (model_config.full_attention_layer_ids unknown)")
     return out
+
+
+# SGLang 0.5.23's pools pdwire does not carry, by class or base (docs/sglang.md, pool kinds): what
+# their KVArgs register would not be the whole KV, or not per layer as K and V / one latent
+_UNIFIED = "--enable-unified-memory: one shared buffer of page envelopes holds every layer"
+_REFUSED_POOLS = {
+    "NoOpMHATokenToKVPool": "it stores no KV (placeholders of embedding-mode prefill)",
+    "MHATokenToKVPoolFP4": "its FP4 block scales are not in KVArgs (only the packed K/V would move)",
+    "MLATokenToKVPoolFP4": "its FP4 block scales are not in KVArgs (only the packed latents would move)",
+    "MiniMaxM3Nvfp4KVPool": "its NVFP4 rows are packed per token, not K and V per layer",
+    "PageMajorMHATokenToKVPool": "it has no per-layer regions",
+    "PageInterleaveKVPoolMixin": "each rank holds an interleaved share of the logical pages",
+    "UnifiedMHATokenToKVPool": _UNIFIED,
+    "UnifiedMLATokenToKVPool": _UNIFIED,
+    "UnifiedSWAKVPool": _UNIFIED,
+    "UnifiedHybridLinearKVPool": _UNIFIED,
+    "DeepSeekV4TokenToKVPool": "its KV is bucketed by compression ratio, not by layer",
+}
+
+
+def refused_pool_kind(args: Any) -> str | None:
+    """``"KIND: why"`` when the rank's pool is one pdwire does not carry: from the pool classes
+    the plugin's hooks saw (:data:`POOL_LAYERS`), else from what ``KVArgs`` give away."""
+    layers = POOL_LAYERS.get()
+    for name in layers.pool_classes if layers is not None else ():
+        if name in _REFUSED_POOLS:
+            return f"{name}: {_REFUSED_POOLS[name]}"
+    if _get(args, "mla_compression_ratios") is not None:
+        return f"DeepSeekV4TokenToKVPool: {_REFUSED_POOLS['DeepSeekV4TokenToKVPool']}"
+    if _get(args, "kv_buf_groups") is not None:
+        return "an NPU pool (KVArgs.kv_buf_groups): pdwire registers CUDA and host memory only"
+    return None
 
 
 class KVArgsError(ValueError):

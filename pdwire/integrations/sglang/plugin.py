@@ -101,7 +101,15 @@ def pool_layers(pool: Any, req_pool: Any, model_config: Any) -> Any:
         mamba = tuple(int(i) for i in get_ids())
         if mamba:
             state.append(("mamba", mamba))
-    return PoolLayers(kv_start, tuple(state), kv_start_missing)
+    return PoolLayers(kv_start, tuple(state), kv_start_missing, pool_classes(pool))
+
+
+def pool_classes(pool: Any) -> tuple[str, ...]:
+    """The class names, bases included, of a KV pool and its sub-pools (full, SWA), which
+    ``memory.refused_pool_kind`` checks against the kinds pdwire does not carry."""
+    pools = [pool, getattr(pool, "full_kv_pool", None), getattr(pool, "swa_kv_pool", None)]
+    names = (c.__name__ for p in pools if p is not None for c in type(p).__mro__)
+    return tuple(dict.fromkeys(names))
 
 
 def _with_pool_layers(

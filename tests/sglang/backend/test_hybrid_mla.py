@@ -213,3 +213,59 @@ def test_hybrid_mla_requests_move_byte_for_byte(
         _run(pair, {4001 + 10 * p + d: 22, 5003 + 10 * p + d: 9}, sglang, monkeypatch)
     finally:
         pair.close()
+
+
+def _plain_rank(sglang: Any, pool_cls: Any) -> Any:
+    """A prefill rank whose whole KV pool is ``pool_cls`` (an MLA pool of 2 layers), its manager
+    from SGLang's own ``_init_kv_manager`` (what that raised, if anything)."""
+    port = h.free_port()
+    server = sglang["server"](host="127.0.0.1", port=port)
+    try:
+        return _plain_manager(pool_cls, port)
+    finally:
+        server.close()
+
+
+def _plain_manager(pool_cls: Any, port: int) -> Any:
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import MetadataBuffers, is_mla_backend
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+
+    sa = h._server_args("prefill", 1, port, h.free_port())
+    with use_context(create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))):
+        pool = pool_cls(
+            size=h.POOL_TOKENS, page_size=h.PAGE, dtype=torch.bfloat16, kv_lora_rank=32,
+            qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        metadata = MetadataBuffers(
+            h.AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+        )
+        stand_in = h._scheduler_stand_in(MODEL, 0, 0, pool, None, metadata, sa)
+        stand_in.is_mla_backend = is_mla_backend(pool)
+        return PrefillBootstrapQueue._init_kv_manager(stand_in)
+
+
+def test_pool_kinds_pdwire_does_not_carry_are_refused_at_start_up_by_name(sglang: Any) -> None:
+    """An FP4 MLA pool (its block scales are not in KVArgs: only the packed latents would
+    move) is refused by its class name; the plain MLA pool of the same shape is carried."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, MLATokenToKVPoolFP4
+
+    manager = _plain_rank(sglang, MLATokenToKVPool)
+    try:
+        assert manager.memory.kv is not None and manager.memory.kv.is_mla
+    finally:
+        manager.teardown()
+    with pytest.raises(ValueError, match=r"pdwire: SGLang pool MLATokenToKVPoolFP4: its FP4 block scales"):
+        _plain_rank(sglang, MLATokenToKVPoolFP4)
+
+
+def test_pools_known_by_their_kvargs_only_are_refused_by_name() -> None:
+    """Without the plugin's pool classes (a hook that could not read the pools), KVArgs still
+    give DeepSeek-V4's bucketed pool and NPU pools away."""
+    from pdwire.integrations.sglang.memory import refused_pool_kind
+
+    assert refused_pool_kind(SimpleNamespace()) is None
+    dsv4 = refused_pool_kind(SimpleNamespace(mla_compression_ratios=[0, 4, 128]))
+    assert dsv4 is not None and dsv4.startswith("DeepSeekV4TokenToKVPool: its KV is bucketed")
+    npu = refused_pool_kind(SimpleNamespace(kv_buf_groups=2))
+    assert npu is not None and npu.startswith("an NPU pool (KVArgs.kv_buf_groups)")
