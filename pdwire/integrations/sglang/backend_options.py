@@ -15,7 +15,8 @@ backends take them as options (``pdwire.runtime.backends.options``). What is der
   ``device_name`` those devices (for rdma only).
 * **NIXL**: ``net_devices`` (UCX_NET_DEVICES) those devices, an RDMA device on port 1 unless a
   port is named (as NIXL's own device list does), a network interface as named; unless
-  ``UCX_NET_DEVICES`` is set, which wins as it does for SGLang's NIXL backend.
+  ``UCX_NET_DEVICES`` is set, which wins as it does for SGLang's NIXL backend (the flag is
+  still checked).
 * The devices of the rank's GPU are read with SGLang's own ``get_ib_devices_for_gpu`` (a list,
   or a per-GPU JSON mapping or file). Each must exist on this host: an RDMA device under
   ``/sys/class/infiniband``, a network interface in this network namespace; another is refused
@@ -154,13 +155,14 @@ def derived_options(
         if "device_name" in declared and protocol == "rdma" and devices:
             out["device_name"] = mooncake_devices(devices, sys_class)
     if "net_devices" in declared and devices:  # NIXL/UCX
+        ucx = ucx_devices(devices, sys_class)  # a bad flag is refused even where it is not applied
         if environ.get("UCX_NET_DEVICES"):
             logger.warning(
                 "pdwire: UCX_NET_DEVICES=%s is set; %s %s is not applied to NIXL",
                 environ["UCX_NET_DEVICES"], FLAG, ",".join(devices),
             )  # fmt: skip
         else:
-            out["net_devices"] = ucx_devices(devices, sys_class)
+            out["net_devices"] = ucx
     return out
 
 
