@@ -111,6 +111,10 @@ def _write_error(err: int, peer: Peer) -> str:
 
 class LocalBackend(JobTransfers, Backend):
     name = "local"
+    # Not the kernel's need: a peer registering again under its name is refused until its older
+    # incarnation's transfers stopped, so a target whose registration is taken back knows every
+    # older write to it ended (a decode rank then unmaps the windows it revoked before).
+    peers_keyed_by_name = True
     wakes_on_completion = True
     wakes_on_notification = True
 

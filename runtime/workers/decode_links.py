@@ -202,8 +202,8 @@ class DecodeLinks:
         # unfenced room (nothing can write through them), else revoked with the peer
         self._retired: dict[str, PeerRef] = {}
         # revoked keys, their windows junk until a proof that no write through them can come:
-        # peer -> key -> when it was revoked (see _free_junk)
-        self._junk: dict[PeerRef, dict[str, float]] = {}
+        # peer -> key -> (when it was revoked, the endpoint of its link) (see _free_junk)
+        self._junk: dict[PeerRef, dict[str, tuple[float, str]]] = {}
         self.groups: dict[tuple[str, int], tuple[PrefillGroup, GroupRoute]] = {}
         self.connects: list[Connecting] = []  # connect()s under way
         self._connect_of: dict[Link, tuple[Connecting, tuple[int, int]]] = {}  # their links
@@ -358,7 +358,7 @@ class DecodeLinks:
         into ``into``), with heartbeats and a monitor that reports the connection's loss."""
         # each link's windows are its own, revoked apart; numbered per backend, so two workers
         # sharing one backend never name each other's windows
-        key = self.backend.new_window_key(endpoint)
+        key = self.backend.new_window_key(endpoint)  # "<endpoint>#<n>"
         conn = DecodeConnection(self._local(key), endpoint, deadline, expected)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -411,8 +411,8 @@ class DecodeLinks:
         peer = link.conn.peer
         if peer is not None and link.key in self._window_keys.get(peer, []):
             self._retired[link.key] = peer
-        else:  # (windows it had revoked stay junk until _free_junk's proof)
-            self.backend.release_windows(link.key, junk=False)
+            return
+        self.backend.release_windows(link.key, junk=False)  # (its revoked ones wait for _free_junk)
 
     def _release_idle(self, peer: PeerRef) -> None:
         """Unmap the live windows of ``peer``'s closed links once nothing can write through them:
@@ -435,13 +435,16 @@ class DecodeLinks:
     def _free_junk(self, peer: PeerRef, link: Link) -> None:
         """``peer`` accepted ``link``'s registration. On an engine whose writers accept a new
         registration only once every transfer to an older one is final
-        (``Backend.registration_fences_older``), nothing revoked before it was sent can be written
-        any more: those junk windows are unmapped. Elsewhere they stay mapped (junk, no memory)
-        until the backend closes: a late write must never land in a reused address."""
+        (``Backend.registration_fences_older``), nothing revoked before it was sent through a link
+        to the same endpoint can be written any more: the process listening there is the one that
+        was revoked, or took the port after it exited. Those junk windows are unmapped. Elsewhere
+        (another endpoint: the revoked process may still live; Mooncake) they stay mapped (junk,
+        no memory) until the backend closes: a late write must never land in a reused address."""
         junk = self._junk.get(peer)
         if not junk or not self.backend.registration_fences_older:
             return
-        for key in [k for k, at in junk.items() if at <= link.registered_at]:
+        here = link.conn.endpoint
+        for key in [k for k, (at, where) in junk.items() if at <= link.registered_at and where == here]:
             del junk[key]
             self.backend.release_windows(key, live=False)
 
@@ -695,7 +698,7 @@ class DecodeLinks:
         junk = self._junk.setdefault(peer, {})
         for key in keys:
             settles = max(settles, self.backend.revoke(key).settles_at)
-            junk[key] = now
+            junk[key] = (now, key.rpartition("#")[0])  # the endpoint of its link (_open)
             self._retired.pop(key, None)  # junk now: it waits for _free_junk's proof
         self._window_keys[peer] = []
         self.stats.revocations += 1

@@ -89,14 +89,10 @@ def test_a_replaced_link_with_a_room_in_flight_is_revoked_and_its_junk_unmapped_
             _room_ok(p, 40 + cycle)  # the rank registered again with new windows and serves
             live, junk = p.db.window_counts()
             assert live == per_link
-            if p.db.registration_fences_older:
-                # NIXL accepts a registration only once every older transfer to this rank is
-                # final: junk revoked before it was sent is unmapped at once
-                assert junk == 0, (cycle, junk)
-            else:
-                # local: a stopped writer may resume into the junk, so it stays mapped (no
-                # memory, one mapping a window): the old link's and the new link's, revoked together
-                assert junk == 2 * per_link * (cycle + 1)
+            # the prefill rank accepts a registration only once every older transfer to this
+            # rank is final: junk revoked before it was sent is unmapped then
+            assert p.db.registration_fences_older
+            assert junk == 0, (cycle, junk)
 
 
 def test_link_keys_are_unique_per_backend_across_workers() -> None:
