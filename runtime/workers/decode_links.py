@@ -120,7 +120,7 @@ class DecodeStats:
     peers_lost: int = 0  # control connections lost (closed, or silent past peer_timeout_s)
     reconnects: int = 0  # lost links handshaken again
     reconnect_error: str = ""  # why the last background reconnect failed (it is retried)
-    versions: list[str] = field(default_factory=list)  # agreed protocol version per prefill link
+    versions: list[str] = field(default_factory=list)  # agreed protocol version per prefill rank (newest)
     # failed rooms with their reason, and anything odd: bounded, the newest and a total
     failures: FailureLog = field(default_factory=FailureLog)
     peer_errors: int = 0  # messages of a peer whose handling raised: that peer's rooms failed
@@ -310,7 +310,10 @@ class DecodeLinks:
                 self.rooms.run(self.session.on_peer_lost(conn.peer))
                 self._release_idle(conn.peer)
             self._free_junk(conn.peer, link)
-            self.stats.versions.append(f"{conn.peer}={conn.version[0]}.{conn.version[1]}")
+            # one entry per rank, the newest (a rank connected again a thousand times is one rank)
+            mine = f"{conn.peer}="
+            self.stats.versions[:] = [v for v in self.stats.versions if not v.startswith(mine)]
+            self.stats.versions.append(f"{mine}{conn.version[0]}.{conn.version[1]}")
             links[key] = (conn.peer, conn.position.sender_rank, self._fences(conn.version))
         g = c.group
         g.engine_id, g.dp_rank = identity.engine_id, identity.dp_rank
