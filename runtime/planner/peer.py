@@ -473,7 +473,9 @@ def prepare_peer_setup(local: RankMemory, remote: RankMemory) -> PeerSetup:
     state = _prepare_state(pair, local, remote, li, ri)
     aux = _prepare_aux(local, remote, li, ri)
     overlaps = destination_overlaps(remote, ri)
-    writes_aux = pair.first_writer and lp.pp_rank == lp.pp_size - 1
+    # the aux item comes from the last PP stage a decode rank reads: the prefill's last stage for
+    # a decode of one stage, each stage's own for equal PP (every decode stage reads it, as SGLang's)
+    writes_aux = pair.first_writer and lp.pp_rank == route.prefill_pp_stages[-1]
     if is_dummy:
         return PeerSetup(route, True, False, None, tuple(None for _ in state), None, overlaps)
     return PeerSetup(route, False, writes_aux, kv, state, aux if writes_aux else None, overlaps)

@@ -4,9 +4,10 @@ At connect time the decode rank knows the prefill group's topology (TP, PP), its
 and, per link, the agreed version; the planner's rank routing (``route_decode_rank``) says which
 prefill TP ranks and PP stages it contacts, which of them are dummies (MLA with prefill TP >
 decode TP: told, but they write nothing), how many decode ranks each prefill rank waits for,
-and the aux owner (the first rank of the group, in the last PP stage). :class:`GroupRoute` holds
-that once; :meth:`GroupRoute.plan` turns one request into the session's sender plans and the
-TransferRequests to send, with the component set taken from the request alone.
+and the aux owner (the first rank of the group, in the last PP stage the decode rank reads).
+:class:`GroupRoute` holds that once; :meth:`GroupRoute.plan` turns one request into the
+session's sender plans and the TransferRequests to send, with the component set taken from the
+request alone.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class GroupRoute:
         for p in route.prefill_ranks:
             for stage in route.prefill_pp_stages:
                 peer, sender_rank, fences = links[(p, stage)]
-                owns_aux = p == route.prefill_ranks[0] and stage == pp_size - 1
+                # the last stage this rank reads (each decode PP stage its own): as the planner's
+                owns_aux = p == route.prefill_ranks[0] and stage == route.prefill_pp_stages[-1]
                 senders.append(
                     SenderRoute(peer, sender_rank, p in route.dummy_prefill_ranks, owns_aux, fences)
                 )

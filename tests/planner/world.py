@@ -423,11 +423,10 @@ def shard(world: World, key: Key, full: np.ndarray, tp: int, rank: int, side: st
     return oracle_slot(full, spec.blocks, tp, rank)
 
 
-def _indices(world: World, key: Key, side: str, not_aux_stage: bool = False) -> tuple[int, ...]:
-    """Indices of ``key``'s items on one side; aux lands only on the last decode PP stage."""
+def _indices(world: World, key: Key, side: str) -> tuple[int, ...]:
+    """Indices of ``key``'s items on one side; aux lands on every decode PP stage (from the last
+    prefill stage it reads)."""
     comp_name = key[0]
-    if comp_name == "aux" and side == "decode" and not_aux_stage:
-        return ()
     if comp_name == "kv":
         return world.src_pages if side == "prefill" else world.dst_pages
     if comp_name == "aux":
@@ -438,9 +437,8 @@ def _indices(world: World, key: Key, side: str, not_aux_stage: bool = False) -> 
 
 def _write_items(world: World, rank: Rank, full: FullData, side: str, target: AddressSpace) -> None:
     tp, tp_rank = rank.memory.position.tp_size, rank.memory.position.tp_rank
-    not_aux_stage = rank.memory.position.pp_rank != rank.memory.position.pp_size - 1
     for key, (start, stride) in rank.views.items():
-        for position, index in enumerate(_indices(world, key, side, not_aux_stage and side == "decode")):
+        for position, index in enumerate(_indices(world, key, side)):
             data = shard(world, key, full.items[key][position], tp, tp_rank, side)
             if key in rank.unit_places:  # page bytes in the layout's order, each unit at its place
                 head_stride, token_stride, unit, kv_layout = rank.unit_places[key]
