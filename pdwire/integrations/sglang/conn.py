@@ -222,13 +222,10 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         if disaggregation_mode == DisaggregationMode.DECODE and not mla:
             fill_decode_heads(args)
         fill_layer_ids(args)
-        if disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1:
-            # SGLang's decode KVArgs carry no start layer, and pdwire sends a request's aux item
-            # from the last prefill stage only: a decode stage would get layers it does not hold
-            raise ValueError(
-                f"pdwire: decode with pipeline parallelism (PP {self.pp_size}) is not supported; "
-                "run decode with PP 1 (prefill may use PP; see docs/sglang.md)"
-            )
+        # decode in PP stages: each stage reads the prefill stage of its own rank (equal PP, as
+        # SGLang's Mooncake backend; another prefill PP size is refused at the handshake), its
+        # start layer from the plugin's hook (SGLang's decode KVArgs carry none)
+        decode = disaggregation_mode == DisaggregationMode.DECODE
         ptrs = list(getattr(args, "state_data_ptrs", None) or [])
         empty = [f"state[{ci}]:{k}" for ci, k in enumerate(self.kinds) if ci >= len(ptrs) or not ptrs[ci]]
         if self.pp_size > 1 and empty:
@@ -237,7 +234,7 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
                 f"pdwire: PP stage {self.pp_rank} of {self.pp_size} holds no layer of {', '.join(empty)}: "
                 "pdwire needs every PP stage to hold at least one layer of each state kind"
             )
-        missing = missing_pp_layer_ids(args) if self.pp_size > 1 else []
+        missing = missing_pp_layer_ids(args, decode=decode) if self.pp_size > 1 else []
         if missing:
             # a PP stage holds a slice of the layers: without their ids nothing can be placed
             raise ValueError(

@@ -85,14 +85,17 @@ def fill_layer_ids(args: Any) -> None:
     args.state_layer_ids = ids
 
 
-def missing_pp_layer_ids(args: Any) -> list[str]:
+def missing_pp_layer_ids(args: Any, decode: bool = False) -> list[str]:
     """What a PP stage cannot place on the other side: state components without layer ids, and
-    the KV start layer where the pool's is known to be wrong."""
+    the KV start layer where the pool's is known to be wrong (decode: unless the plugin's hook
+    read it from the pool, SGLang's decode KVArgs carry none)."""
     kinds = state_kinds(args)
     out = [f"state[{ci}]:{kind}" for ci, kind in enumerate(kinds) if not _has(args, "state_layer_ids", ci)]
     layers = POOL_LAYERS.get()
     if layers is not None and layers.kv_start_missing:
         out.insert(0, "the KV start layer (model_config.full_attention_layer_ids unknown)")
+    elif decode and _get(args, "kv_data_ptrs") and (layers is None or layers.kv_start is None):
+        out.insert(0, "the KV start layer (not read from the decode's pool)")
     return out
 
 

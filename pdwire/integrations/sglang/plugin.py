@@ -13,6 +13,7 @@ installing the plugin). The classes themselves are imported only when SGLang ask
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from enum import Enum
@@ -112,13 +113,31 @@ def pool_classes(pool: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def decode_kv_start(pool: Any, model_config: Any) -> int | None:
+    """A decode PP stage's full-attention-relative first KV layer, which SGLang's decode
+    ``KVArgs`` leave out (its prefill computes it alike, ``_transfer_start_layer``): the pool's
+    ``start_layer``, counted in full-attention layers for a ``HybridLinearKVPool``."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    start = getattr(pool, "start_layer", None)
+    if start is None:
+        return None
+    if not isinstance(pool, HybridLinearKVPool):
+        return int(start)
+    full = getattr(getattr(model_config, "hf_text_config", None), "full_attention_layer_ids", None)
+    return None if full is None else sum(1 for i in full if int(i) < int(start))
+
+
 def _with_pool_layers(
-    original: Callable[..., Any], queue: Any, req_pool: Any, *args: Any, **kwargs: Any
+    original: Callable[..., Any], queue: Any, req_pool: Any, *args: Any, decode: bool = False, **kwargs: Any
 ) -> Any:
     from pdwire.integrations.sglang.memory import POOL_LAYERS
 
     try:
         layers = pool_layers(queue.token_to_kv_pool, req_pool, queue.scheduler.model_config)
+        if decode and layers.kv_start is None and not layers.kv_start_missing:
+            start = decode_kv_start(queue.token_to_kv_pool, queue.scheduler.model_config)
+            layers = dataclasses.replace(layers, kv_start=start)
     except Exception:  # a pool this SGLang build lays out otherwise: KVArgs as SGLang made them
         logger.debug("pdwire: no layer ids from the pools", exc_info=True)
         layers = None
@@ -152,7 +171,8 @@ def decode_init_hook(original: Callable[..., Any], queue: Any, *args: Any, **kwa
         pass
     token = DECODE_KV_HEADS.set(heads)
     try:
-        return _with_pool_layers(original, queue, getattr(queue, "req_to_token_pool", None), *args, **kwargs)
+        req_pool = getattr(queue, "req_to_token_pool", None)
+        return _with_pool_layers(original, queue, req_pool, *args, decode=True, **kwargs)
     finally:
         DECODE_KV_HEADS.reset(token)
 

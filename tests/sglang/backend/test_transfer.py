@@ -294,7 +294,7 @@ def test_a_pipeline_stage_whose_layers_are_unknown_is_refused_by_name(
 ) -> None:
     """A pool pdwire cannot read layers from (here: the plugin's reader finds nothing), under PP:
     the stage's manager refuses at init, naming each component it could not place; so are a stage
-    holding none of a state kind's layers and decode in PP stages."""
+    holding none of a state kind's layers and a decode stage whose first KV layer is unknown."""
     from pdwire.integrations.sglang import plugin
     from pdwire.integrations.sglang.memory import PoolLayers
 
@@ -309,8 +309,13 @@ def test_a_pipeline_stage_whose_layers_are_unknown_is_refused_by_name(
     one_swa_layer = h.Model("swa", 6, mamba=(0, 3), full=(2, 5), swa=(4,))
     with pytest.raises(ValueError, match=r"PP stage 0 of 2 holds no layer of state\[0\]:swa"):
         h.make_rank("prefill", 1, 0, h.free_port(), h.free_port(), one_swa_layer, 2, 0)
-    # decode in PP stages, whatever the pools say
-    with pytest.raises(ValueError, match=r"decode with pipeline parallelism \(PP 2\) is not supported"):
+    # a decode PP stage whose pools the plugin's hook cannot read: SGLang's decode KVArgs carry
+    # no start layer
+    def unreadable(*_: Any) -> Any:
+        raise AttributeError("a pool laid out otherwise")
+
+    monkeypatch.setattr(plugin, "pool_layers", unreadable)
+    with pytest.raises(ValueError, match=r"PP stage 0 of 2 cannot place the KV start layer \(not read from"):
         h.make_rank("decode", 1, 0, h.free_port(), h.free_port(), h.LINEAR_HYBRID, 2, 0)
 
 
