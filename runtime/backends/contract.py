@@ -388,6 +388,13 @@ class Backend(abc.ABC):
         self._removing.append(peer)
         self._reap()
 
+    def peer_gone(self, peer: Peer) -> bool:
+        """Whether ``peer``'s process is proven to have exited (the local backend: the pidfd it
+        holds since the handshake turned readable). False: not proven, which is all an engine
+        that reaches its peers over the network can say; a live duplicate of a registered rank
+        is then refused until the old connection's heartbeats stop."""
+        return False
+
     @property
     def peers(self) -> dict[str, Peer]:
         return dict(self._peers)

@@ -242,6 +242,11 @@ class LocalBackend(JobTransfers, Backend):
             spans += [(w.base, w.base + mem.nbytes) for w in list(mem.windows) if not w.revoked]
         return sorted(spans)
 
+    def peer_gone(self, peer: Peer) -> bool:
+        """The process checked at the handshake exited: its pidfd says so (a pid alone could
+        have been reused)."""
+        return bool(peer.private.gone())
+
     def _remove_peer(self, peer: Peer) -> None:
         self._processes.discard(peer.private)
         peer.private.close()  # none of its transfers can still run

@@ -115,6 +115,8 @@ class PrefillStats:
     handshakes_refused: int = 0  # ZMTP handshakes refused at the socket (no CURVE, unknown key, garbage)
     restarts: int = 0  # registrations taken over from an older connection of the same decode rank
     takeovers_refused: int = 0  # registrations refused: the rank is registered on a live connection
+    identities_refused: int = 0  # registrations refused: the identity is bound to another key
+    aborts_refused: int = 0  # Aborts (and Leases) without authority: unregistered, or not the requester
     messages_too_large: int = 0  # messages past the largest legal one for their peer's registration
     leases: int = 0  # Lease messages: decode engines renewing rooms they still queue
     rooms_renewed: int = 0  # rooms those renewed (waiting for requests, held room_timeout_s longer)
@@ -452,14 +454,39 @@ class PrefillWorker(RankEdge):
             elif isinstance(e, Requested):
                 self._run(self.session.on_request(e.room, e.target, e.required, time.monotonic()))
             elif isinstance(e, AbortRequested):
-                self._run(self.session.on_abort(e.room, e.peer))
+                if self._speaks_for(identity, e.peer, f"Abort of room {e.room}"):
+                    refusal = self.session.abort_refusal(e.room, e.peer)
+                    if refusal is not None:  # answered (nothing is in flight for it), no effect
+                        self._refuse_abort(f"Abort of room {e.room} from {e.peer} refused: {refusal}")
+                    self._run(self.session.on_abort(e.room, e.peer))
             elif isinstance(e, LeaseRenewed):
                 self.stats.leases += 1
-                self.stats.rooms_renewed += self.session.on_lease(e.rooms, e.peer, time.monotonic())
+                if self._speaks_for(identity, e.peer, f"Lease of {len(e.rooms)} rooms"):
+                    self.stats.rooms_renewed += self.session.on_lease(e.rooms, e.peer, time.monotonic())
             else:
                 assert isinstance(e, Registered)
 
+    def _speaks_for(self, identity: bytes, peer: PeerRef, what: str) -> bool:
+        """Whether the connection ``identity`` is ``peer``'s registered one, the only one that may
+        decline or abort rooms in its name (a registration is the proof: a Hello alone claims any
+        name); otherwise the message is refused (no answer), logged and counted."""
+        if self._identity_of.get(peer) == identity:
+            return True
+        self._refuse_abort(f"{what} refused: the connection claiming {peer} is not its registered one")
+        return False
+
+    def _refuse_abort(self, text: str) -> None:
+        self.stats.aborts_refused += 1
+        self.stats.failures.append(text)
+        log_refusal(text)
+
     def _add_peer(self, identity: bytes, conn: PrefillConnection, e: AddPeer) -> list[PrefillEvent]:
+        bound = self._identity_refusal(identity, e.peer)
+        if bound is not None:
+            self.stats.identities_refused += 1
+            self.stats.failures.append(f"registration of {e.peer} refused: {bound}")
+            log_refusal(f"registration of {e.peer} refused: {bound}")
+            return conn.peer_refused(bound)
         old = self._identity_of.get(e.peer)
         if old is not None and old != identity:
             refusal = self._takeover_refusal(identity, old, e.peer)
@@ -488,21 +515,30 @@ class PrefillWorker(RankEdge):
         self._identity_of[e.peer] = identity
         return conn.peer_added()
 
+    def _identity_refusal(self, identity: bytes, peer: PeerRef) -> str | None:
+        """Why the connection ``identity`` may not register as ``peer`` under the key directory's
+        per-rank keys (:meth:`.ControlAuth.identity_refusal`); None without bindings."""
+        if self.auth is None:
+            return None
+        return self.auth.identity_refusal(peer.engine_id, peer.rank, self._key_of.get(identity))
+
     def _takeover_refusal(self, identity: bytes, old: bytes, peer: PeerRef) -> str | None:
         """Why a registration of ``peer`` from ``identity`` may not replace its registration on
-        ``old``; None for a restart: the old connection is gone (its process exited, or it
-        answered no heartbeat for HEARTBEAT_TIMEOUT_S), or the new one authenticated with the
-        same CURVE key (the same key holder registering again). Anyone else, above all a process
-        claiming the (engine, rank) of a live decode rank, is refused."""
-        key = self._key_of.get(identity)
-        if key is not None and key == self._key_of.get(old):
-            return None
+        ``old``; None for a restart: the old connection is gone (its process exited and the
+        socket closed, or it answered no heartbeat for HEARTBEAT_TIMEOUT_S), or the backend
+        proves the old incarnation's process dead (:meth:`.Backend.peer_gone`). Whatever keys
+        the two hold: a key is the deployment's (every rank may hold the same one), a live
+        connection is the rank itself. So a process claiming the (engine, rank) of a live decode
+        rank, or a second process started under the same engine id and rank, is refused."""
         if not self._reachable(old):
             return None
-        how = "a different CURVE key" if key is not None else "no authentication"
+        backend_peer = self._backend_peers.get(peer)
+        if backend_peer is not None and self.backend.peer_gone(backend_peer):
+            return None
         return (
-            f"{peer} is registered on a live connection; a registration from another connection with "
-            f"{how} is taken as a restart only once that connection is gone (retry later)"
+            f"{peer} is registered on a live connection (its heartbeats are answered); a "
+            f"registration from another connection is taken as a restart only once that connection "
+            f"is gone: closed, or silent for {HEARTBEAT_TIMEOUT_S:g} s (retry later)"
         )
 
     def _reachable(self, identity: bytes) -> bool:

@@ -5,7 +5,8 @@ rank 0 of SPEC on a local backend, connected to one prefill endpoint.
 plane) prints ``ready`` once registered, or ``refused <reason>``, then serves until its stdin
 closes; ``room N`` on stdin asks for room N (24 tokens) and prints ``finished N STATUS reason``.
 ``REGISTRANT_ENGINE`` and ``REGISTRANT_AGENT`` in the environment change its engine id and its
-backend's agent name.
+backend's agent name; ``REGISTRANT_RETRY_S`` makes it connect again after a refusal for that
+long, then print ``ready after S s, N refusals`` (a restart waiting for its old connection to go).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import sys
+import time
 
 from pdwire.runtime.backends.local import LocalBackend
 from pdwire.runtime.control_auth import ControlAuth
@@ -29,14 +31,22 @@ def main(endpoint: str, keys: str | None) -> int:
         print(f"finished {room} {status.name} {failure.reason if failure else ''}", flush=True)
 
     config = decode_config(os.environ.get("REGISTRANT_ENGINE", "dec"), **auth, room_timeout_s=120)
+    retry_s = float(os.environ.get("REGISTRANT_RETRY_S", "0"))
     with DecodeWorker(config, caches.memory, backend=backend, on_finished=finished) as dec:
-        group = dec.connect([endpoint], timeout_s=20)  # returns at once, CONNECTING
-        try:
-            dec.wait_ready(group)  # the prefill rank's answer: registered, or refused
-        except HandshakeError as exc:
-            print(f"refused {exc}", flush=True)
-            return 0
-        print("ready", flush=True)
+        start, refusals = time.monotonic(), 0
+        while True:
+            group = dec.connect([endpoint], timeout_s=20)  # returns at once, CONNECTING
+            try:
+                dec.wait_ready(group)  # the prefill rank's answer: registered, or refused
+                break
+            except HandshakeError as exc:
+                refusals += 1
+                if time.monotonic() - start >= retry_s:
+                    print(f"refused {exc}", flush=True)
+                    return 0
+                time.sleep(0.2)
+        took = time.monotonic() - start
+        print(f"ready after {took:.2f} s, {refusals} refusals" if retry_s else "ready", flush=True)
         while True:
             dec.step(5)
             if select.select([sys.stdin], [], [], 0)[0]:
