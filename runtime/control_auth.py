@@ -12,6 +12,14 @@ Every rank of the deployment is given the directory: its ranks present that key,
 and expect it of their prefill ranks. Further public keys dropped into the directory
 (``*.key``) are accepted as well (another deployment's decode ranks, a key being rotated in);
 a ``server.key`` names the prefill ranks' key when they hold another keypair than this one.
+
+Per-rank keys (optional): an ``identities`` file in the directory binds decode identities to
+their own public keys, one line each, ``decode ENGINE_ID RANK KEY`` (``RANK`` an engine-wide
+rank, or ``*`` for every rank of the engine; ``#`` starts a comment line). A prefill rank then
+refuses a registration naming a bound identity from any other key, and a registration from a
+bound key naming any identity it is not bound to (:meth:`ControlAuth.identity_refusal`); bound
+keys are admitted at the socket. ``pdwire keys bind DIR ENGINE_ID RANK RANKDIR`` makes a rank's
+own key directory and adds its line.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +38,8 @@ from pdwire.runtime.config import ConfigError
 
 KEY_NAME = "control"  # control.key / control.key_secret in a key directory
 SERVER_KEY_FILE = "server.key"
+IDENTITIES_FILE = "identities"  # per-rank keys: decode identity -> its public key
+BOUND_ROLES = ("decode",)  # prefill ranks are CURVE servers: decode ranks name their key (server.key)
 
 ENV_KEYS = "PDWIRE_CONTROL_KEYS"
 """A key directory every worker of this process uses when its config names no keys."""
@@ -66,6 +77,8 @@ class ControlAuth:
     secret_key: bytes = field(repr=False)
     authorized: frozenset[bytes] = frozenset()
     server_key: bytes | None = None
+    # per-rank keys: (engine id, engine-wide rank or None for every rank) -> the keys it may use
+    bindings: Mapping[tuple[str, int | None], frozenset[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "public_key", check_key(self.public_key, "ControlAuth.public_key"))
@@ -76,9 +89,41 @@ class ControlAuth:
         object.__setattr__(self, "authorized", keys or frozenset({self.public_key}))
         server = self.public_key if self.server_key is None else self.server_key
         object.__setattr__(self, "server_key", check_key(server, "ControlAuth.server_key"))
+        bindings = {
+            who: frozenset(check_key(k, f"ControlAuth.bindings[{who}]") for k in keys)
+            for who, keys in self.bindings.items()
+        }
+        object.__setattr__(self, "bindings", bindings)
+        bound = frozenset().union(*bindings.values()) if bindings else frozenset()
+        object.__setattr__(self, "authorized", self.authorized | bound)  # bound keys get in
 
     def admits(self, key: bytes) -> bool:
         return key in self.authorized
+
+    def identity_refusal(self, engine_id: str, rank: int, key: bytes | None) -> str | None:
+        """Why the decode rank (``engine_id``, ``rank``) may not register with CURVE key ``key``
+        (Z85; None: no authentication) under :attr:`bindings`; None when it may. A bound
+        identity only with one of its keys; a bound key only for the identities it is bound to.
+        Identities and keys no binding names are left to the admitted keys alone."""
+        if not self.bindings:
+            return None
+        none: frozenset[bytes] = frozenset()
+        own = self.bindings.get((engine_id, rank), none) | self.bindings.get((engine_id, None), none)
+        if own:
+            if key in own:
+                return None
+            shown = "no CURVE key" if key is None else f"CURVE key {key.decode('ascii', 'replace')}"
+            return (
+                f"decode {engine_id}/{rank} is bound to its own key in the key directory's "
+                f"{IDENTITIES_FILE}; this connection authenticated with {shown}"
+            )
+        claims = sorted(f"{e}/{'*' if r is None else r}" for (e, r), ks in self.bindings.items() if key in ks)
+        if claims:
+            return (
+                f"CURVE key {key.decode('ascii', 'replace') if key else ''} is bound to {', '.join(claims)} "
+                f"in the key directory's {IDENTITIES_FILE}, not to decode {engine_id}/{rank}"
+            )
+        return None
 
     @classmethod
     def generate(cls) -> ControlAuth:
@@ -115,7 +160,37 @@ class ControlAuth:
         server: bytes | None = None
         if (root / SERVER_KEY_FILE).is_file():
             server = zmq.auth.load_certificate(root / SERVER_KEY_FILE)[0]
-        return cls(public, secret, frozenset(authorized), server)
+        bindings = read_identities(root / IDENTITIES_FILE)
+        return cls(public, secret, frozenset(authorized), server, bindings)
+
+
+def read_identities(path: Path) -> dict[tuple[str, int | None], frozenset[bytes]]:
+    """The bindings of an ``identities`` file (see the module notes); none when it is absent.
+    A malformed line is a :class:`KeyFileError` naming the file, the line and what is wrong."""
+    if not path.is_file():
+        return {}
+    out: dict[tuple[str, int | None], set[bytes]] = {}
+    for n, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        if len(words) != 4:
+            raise KeyFileError(f"{where}: want `decode ENGINE_ID RANK KEY`, got {len(words)} fields")
+        role, engine, rank_text, key = words
+        if role not in BOUND_ROLES:
+            raise KeyFileError(
+                f"{where}: role {role!r}: only {', '.join(BOUND_ROLES)} ranks are bound to keys "
+                f"(prefill ranks are CURVE servers; decode ranks name their key in {SERVER_KEY_FILE})"
+            )
+        if rank_text == "*":
+            rank: int | None = None
+        elif rank_text.isdigit():
+            rank = int(rank_text)
+        else:
+            raise KeyFileError(f"{where}: rank {rank_text!r} is not an engine-wide rank or *")
+        out.setdefault((engine, rank), set()).add(check_key(key, where))
+    return {who: frozenset(keys) for who, keys in out.items()}
 
 
 def generate_directory(path: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -144,6 +219,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s = sub.add_parser("show", help="check DIR and print the keys it makes a rank use (public halves)")
     s.add_argument("dir")
     s.set_defaults(func=_show)
+    b = sub.add_parser(
+        "bind",
+        help="give one decode rank its own key: write its key directory RANK_DIR, bind it in DIR/identities",
+    )
+    b.add_argument("dir", help="the deployment's key directory (prefill ranks read its identities)")
+    b.add_argument("engine_id")
+    b.add_argument("rank", help="the engine-wide rank, or * for every rank of the engine")
+    b.add_argument("rank_dir", help="the new key directory to give that rank")
+    b.set_defaults(func=_bind)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -166,4 +250,41 @@ def _show(args: argparse.Namespace) -> int:
     print(f"server key: {auth.server_key.decode() if auth.server_key else ''}")
     for key in sorted(auth.authorized):
         print(f"authorized: {key.decode()}")
+    for (engine, rank), keys in sorted(auth.bindings.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+        for key in sorted(keys):
+            print(f"bound: decode {engine} {'*' if rank is None else rank} {key.decode()}")
+    return 0
+
+
+def bind_rank(
+    root: str | os.PathLike[str], engine_id: str, rank: str, rank_dir: str | os.PathLike[str]
+) -> bytes:
+    """A new keypair for one decode rank in ``rank_dir`` (expecting the prefill ranks' key of
+    ``root``), bound to (``engine_id``, ``rank``) by a line appended to ``root``'s identities
+    file; returns its public key. Checks the line before writing anything."""
+    deployment = ControlAuth.from_directory(root)
+    if not engine_id or any(c.isspace() for c in engine_id) or engine_id.startswith("#"):
+        raise KeyFileError(f"engine id {engine_id!r}: a bound engine id has no spaces and no leading #")
+    if rank != "*" and not rank.isdigit():
+        raise KeyFileError(f"rank {rank!r} is not an engine-wide rank or *")
+    generate_directory(rank_dir)
+    assert deployment.server_key is not None
+    server_cert = Path(rank_dir) / SERVER_KEY_FILE
+    server_cert.write_text(f'curve\n    public-key = "{deployment.server_key.decode()}"\n', "utf-8")
+    public = ControlAuth.from_directory(rank_dir).public_key
+    with open(Path(root) / IDENTITIES_FILE, "a", encoding="utf-8") as f:
+        f.write(f"decode {engine_id} {rank} {public.decode()}\n")
+    return public
+
+
+def _bind(args: argparse.Namespace) -> int:
+    try:
+        public = bind_rank(args.dir, args.engine_id, args.rank, args.rank_dir)
+    except KeyFileError as exc:
+        print(f"pdwire keys: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.rank_dir} (key {public.decode()}); decode {args.engine_id} {args.rank} is bound to it "
+        f"in {Path(args.dir) / IDENTITIES_FILE}: give {args.rank_dir} to that rank only"
+    )
     return 0

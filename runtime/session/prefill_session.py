@@ -149,6 +149,16 @@ class PrefillSession(RoomTable[PrefillRoom, Tombstone]):
             return [SendAbortAck(peer, room)]
         return self._settle(r.on_abort(peer))
 
+    def abort_refusal(self, room: int, peer: PeerRef) -> str | None:
+        """Why an Abort of ``room`` from the registered ``peer`` changes nothing: the room was
+        asked for, and not by ``peer`` (only a requester may abort it; :meth:`on_abort` answers
+        it without touching the room). None when the Abort acts, or there is nothing to act on."""
+        r = self.rooms.get(room)
+        if r is None or not r.targets or peer in r.targets:
+            return None
+        askers = ", ".join(sorted(str(p) for p in r.targets))
+        return f"room {room} was asked for by {askers}; only a requester may abort it"
+
     def on_lease(self, rooms: Sequence[int], peer: PeerRef, now: float) -> int:
         """``peer``'s engine still holds a request for each of ``rooms``: each live room waiting
         for requests is held ``room_timeout_s`` from ``now`` (:meth:`PrefillRoom.renew`). A room
