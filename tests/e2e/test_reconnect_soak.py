@@ -204,3 +204,27 @@ def test_prefill_killed_with_a_room_in_flight_many_times_leaves_nothing_behind_o
         assert problems == [], "\n".join(problems)
         (stats, end_problems), *_ = cluster.stop(dec).values()
         assert end_problems == [] and stats["revocations"] >= RESTARTS and stats["unrevocable"] == 0
+
+
+@pytest.mark.slow
+def test_restarting_the_decode_rank_many_times_leaves_nothing_behind_on_prefill() -> None:
+    # Each new decode process registers under the same rank: the prefill rank retires the old
+    # one's registration and backend peer (its pidfd, its inbox) and serves the new one. Local
+    # only: NIXL's and Mooncake's engines keep their connections to a dead process open (2 and 4
+    # sockets in CLOSE-WAIT per restarted decode process, no call of theirs closes them;
+    # docs/fencing.md).
+    with Cluster(SPEC, CAP, "local", room_timeout_s=10.0) as cluster:
+        pre = cluster.start("prefill", 1, "dr-pre")
+        rooms = Rooms(cluster)
+        pre_s = []
+        for _ in range(RESTARTS):
+            dec = cluster.start("decode", 1, "dr-dec")
+            assert cluster.connect(dec, pre) == [""]
+            rooms.until_ok(dec, pre, 30)
+            cluster.kill(dec, 0)
+            pre_s.append(sample(_pid(pre)))
+        _report(f"decode restart x{RESTARTS} (local)", [], pre_s)
+        problems = slope_problems("prefill", pre_s)
+        assert problems == [], "\n".join(problems)
+        (stats, end_problems), *_ = cluster.stop(pre).values()
+        assert end_problems == [] and stats["restarts"] == RESTARTS - 1
