@@ -47,7 +47,7 @@ class StagedPair(tt.Pair):
         ]
 
 
-def _run_stages(pair: StagedPair, rooms: dict[int, int], pp: int) -> tuple[dict[int, int], dict[int, int]]:
+def _run_stages(pair: tt.Pair, rooms: dict[int, int], pp: int) -> tuple[dict[int, int], dict[int, int]]:
     """Decode on one scheduler thread (every stage's receivers, polls all-reduced), prefill on one
     thread per PP stage."""
     pre_out: list[dict[int, int]] = [{} for _ in range(pp)]

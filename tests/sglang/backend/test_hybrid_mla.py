@@ -41,11 +41,15 @@ HEADS, HEAD_DIM, KERNEL = 4, 8, 4  # KDA: heads (q, k and v alike), head dim, co
 GROUPS = [HEADS * HEAD_DIM] * 3  # conv channels q | k | v
 
 
-def _pools(tp: int) -> tuple[Any, Any, Any, Any]:
-    """What SGLang's model runner builds for Kimi-Linear on one attention-TP rank."""
+def _pools(tp: int, start: int = 0, end: int = MODEL.num_layers) -> tuple[Any, Any, Any, Any]:
+    """What SGLang's model runner builds for Kimi-Linear on one attention-TP rank of the PP stage
+    holding the layers [start, end) (global ids, ``start_layer``)."""
     from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    def own(ids: tuple[int, ...]) -> list[int]:
+        return [i for i in ids if start <= i < end]
 
     shape = KimiLinearStateShape.create(
         tp_world_size=tp, num_heads=HEADS, head_dim=HEAD_DIM, conv_kernel_size=KERNEL
@@ -57,37 +61,40 @@ def _pools(tp: int) -> tuple[Any, Any, Any, Any]:
     req_pool = HybridReqToTokenPool(
         size=h.MAMBA_SLOTS, mamba_size=h.MAMBA_SLOTS, mamba_spec_state_size=0,
         max_context_len=h.POOL_TOKENS, device="cpu", enable_memory_saver=False, cache_params=params,
-        mamba_layer_ids=list(MODEL.mamba), enable_mamba_extra_buffer=False,
-        enable_overlap_schedule=False, start_layer=0,
+        mamba_layer_ids=own(MODEL.mamba), enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False, start_layer=start,
     )  # fmt: skip
     kv_pool = HybridLinearKVPool(
         size=h.POOL_TOKENS, dtype=torch.bfloat16, page_size=h.PAGE, head_num=1, head_dim=LORA + ROPE,
-        full_attention_layer_ids=list(MODEL.full), device="cpu", mamba_pool=req_pool.mamba_pool,
-        use_mla=True, kv_lora_rank=LORA, qk_rope_head_dim=ROPE, start_layer=0,
+        full_attention_layer_ids=own(MODEL.full), device="cpu", mamba_pool=req_pool.mamba_pool,
+        use_mla=True, kv_lora_rank=LORA, qk_rope_head_dim=ROPE, start_layer=start,
     )  # fmt: skip
     metadata = MetadataBuffers(
         h.AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
     )
-    return kv_pool, req_pool, metadata, SimpleNamespace(full=list(MODEL.full), mamba=list(MODEL.mamba))
+    return kv_pool, req_pool, metadata, SimpleNamespace(full=own(MODEL.full), mamba=own(MODEL.mamba))
 
 
-def make_rank(role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int) -> h.Rank:
-    """A scheduler rank with Kimi-Linear's pools, its manager from SGLang's ``_init_kv_manager``."""
+def make_rank(
+    role: str, tp: int, tp_rank: int, bootstrap_port: int, http_port: int, pp: int = 1, pp_rank: int = 0
+) -> h.Rank:
+    """A scheduler rank with Kimi-Linear's pools (PP stage ``pp_rank``'s layers), its manager
+    from SGLang's ``_init_kv_manager``."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
-    sa = h._server_args(role, tp, bootstrap_port, http_port)
-    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    sa = h._server_args(role, tp, bootstrap_port, http_port, pp=pp)
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp * pp_rank + tp_rank))
     with use_context(ctx):
-        kv_pool, req_pool, metadata, layers = _pools(tp)
+        kv_pool, req_pool, metadata, layers = _pools(tp, *MODEL.stage(pp, pp_rank))
         # SGLang's own is_mla_backend(pool) for the hybrid pool: False (the stand-in says so)
-        stand_in = h._scheduler_stand_in(MODEL, tp_rank, 0, kv_pool, req_pool, metadata, sa)
+        stand_in = h._scheduler_stand_in(MODEL, tp_rank, pp_rank, kv_pool, req_pool, metadata, sa)
         init = PrefillBootstrapQueue if role == "prefill" else DecodePreallocQueue
         manager = init._init_kv_manager(stand_in)
     return h.Rank(
-        role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx, full_layers=layers.full,
-        mamba_layers=layers.mamba,
+        role, tp, tp_rank, kv_pool, req_pool, metadata, manager, ctx, pp_size=pp, pp_rank=pp_rank,
+        full_layers=layers.full, mamba_layers=layers.mamba,
     )  # fmt: skip
 
 
@@ -153,14 +160,20 @@ class MlaRequest(h.Request):
 class MlaPair(tt.Pair):
     """``test_transfer``'s prefill and decode engines, with Kimi-Linear's pools."""
 
-    def __init__(self, sglang: Any, p: int, d: int) -> None:
+    def __init__(self, sglang: Any, p: int, d: int, pp: int = 1, decode_pp: int = 1) -> None:
         self.sg = sglang
         self.port = h.free_port()
         self.server = sglang["server"](host="127.0.0.1", port=self.port)
         self.addr = f"127.0.0.1:{self.port}"
         http_p, http_d = h.free_port(), h.free_port()
-        self.prefill = [make_rank("prefill", p, r, self.port, http_p) for r in range(p)]
-        self.decode = [make_rank("decode", d, r, self.port, http_d) for r in range(d)]
+        self.prefill = [
+            make_rank("prefill", p, r, self.port, http_p, pp, s) for s in range(pp) for r in range(p)
+        ]
+        self.decode = [
+            make_rank("decode", d, r, self.port, http_d, decode_pp, s)
+            for s in range(decode_pp)
+            for r in range(d)
+        ]
 
 
 def test_the_hybrid_pool_is_described_as_mla_latents_and_sharded_kda_state(sglang: Any) -> None:
@@ -269,3 +282,27 @@ def test_pools_known_by_their_kvargs_only_are_refused_by_name() -> None:
     assert dsv4 is not None and dsv4.startswith("DeepSeekV4TokenToKVPool: its KV is bucketed")
     npu = refused_pool_kind(SimpleNamespace(kv_buf_groups=2))
     assert npu is not None and npu.startswith("an NPU pool (KVArgs.kv_buf_groups)")
+
+
+@pytest.mark.parametrize(("p", "d", "decode_pp"), [(1, 1, 1), (1, 1, 2), (2, 1, 2)])
+def test_hybrid_mla_prefill_pipeline_stages_byte_for_byte(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch, p: int, d: int, decode_pp: int
+) -> None:
+    """Prefill PP 2 (each stage 2 KDA layers and 1 MLA layer, pools for its own layers) -> decode
+    PP 1 holding all of them, or PP 2 stage to stage: latents at their full-attention-relative
+    place, KDA state by its layer ids."""
+    from tests.sglang.backend.test_decode_pp import _run_stages
+
+    monkeypatch.setattr(h, "Request", MlaRequest)
+    pair = MlaPair(sglang, p, d, pp=2, decode_pp=decode_pp)
+    try:
+        for rank in pair.prefill + pair.decode:
+            lo, _ = MODEL.stage(rank.pp_size, rank.pp_rank)
+            assert rank.manager.memory.first_layer == sum(1 for i in MODEL.full if i < lo)
+        rooms = {6001 + 100 * decode_pp + 10 * p + d: 22, 6503 + 100 * decode_pp + 10 * p + d: 9}
+        dec_out, pre_out = _run_stages(pair, rooms, 2)
+        KVPoll = sglang["KVPoll"]
+        assert {r: dec_out[r] for r in rooms} == {r: KVPoll.Success for r in rooms}, dec_out
+        assert pre_out == {r: KVPoll.Success for r in rooms}
+    finally:
+        pair.close()
