@@ -17,6 +17,7 @@ worker threads inside, invisibly. The life cycle on each side is::
     b.release(h)                            # once poll(h) is final
     b.receive_notifications()               # on the target (decode) side
     b.revoke("p0")                          # target side: that peer's late writes land nowhere
+    b.release_windows("p0")                 # once nothing it was given can be written: unmapped
     b.close()                               # idempotent; frees everything
 
 Guarantees (the method docstrings below say each in full; docs/backends.md and, for
