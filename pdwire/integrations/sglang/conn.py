@@ -50,8 +50,8 @@ from pdwire.integrations.sglang.memory import (
     fill_decode_heads,
     fill_layer_ids,
     missing_pp_layer_ids,
+    pool_refusal,
     rank_memory,
-    refused_pool_kind,
     state_kinds,
 )
 
@@ -212,13 +212,10 @@ class PdwireKVManager(BaseKVManager):  # type: ignore[misc]
         # hostname): SGLANG_HOST_IP, else --host when it is one address, else SGLang's own finding
         self.local_ip = advertised_host(get_serving().host, get_local_ip_auto, os.environ)
         self.kinds = state_kinds(args)
-        refused = refused_pool_kind(args)
+        refused = pool_refusal(args)
         if refused is not None:
             # KVArgs of these pools do not register the whole KV per layer: refused, never moved
-            raise ValueError(
-                f"pdwire: SGLang pool {refused}; the pdwire transfer backend does not carry it "
-                "(see docs/sglang.md, pool kinds)"
-            )
+            raise ValueError(refused)
         if disaggregation_mode == DisaggregationMode.DECODE and not mla:
             fill_decode_heads(args)
         fill_layer_ids(args)

@@ -131,6 +131,17 @@ def refused_pool_kind(args: Any) -> str | None:
     return None
 
 
+def pool_refusal(args: Any) -> str | None:
+    """The start-up refusal of a pool kind pdwire does not carry (:func:`refused_pool_kind`)."""
+    refused = refused_pool_kind(args)
+    if refused is None:
+        return None
+    return (
+        f"pdwire: SGLang pool {refused}; the pdwire transfer backend does not carry it "
+        "(see docs/sglang.md, pool kinds)"
+    )
+
+
 class KVArgsError(ValueError):
     """KVArgs that cannot describe a rank's memory; names the field and component."""
 

@@ -143,9 +143,25 @@ def _with_pool_layers(
         layers = None
     token = POOL_LAYERS.set(layers)
     try:
+        _refuse_pool(queue)
         return original(queue, *args, **kwargs)
     finally:
         POOL_LAYERS.reset(token)
+
+
+def _refuse_pool(queue: Any) -> None:
+    """A pdwire queue's pool of a kind pdwire does not carry, refused by name before SGLang builds
+    its KVArgs (for some of them, SGLang 0.5.23's own ``_init_kv_manager`` fails with an
+    AttributeError that names nothing)."""
+    from types import SimpleNamespace
+
+    from pdwire.integrations.sglang.memory import pool_refusal
+
+    if str(getattr(getattr(queue, "transfer_backend", None), "value", "")) != BACKEND_NAME:
+        return
+    refused = pool_refusal(SimpleNamespace())  # the pool classes only: KVArgs are not made yet
+    if refused is not None:
+        raise ValueError(refused)
 
 
 def prefill_init_hook(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:

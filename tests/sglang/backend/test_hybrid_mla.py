@@ -246,9 +246,14 @@ def _plain_manager(pool_cls: Any, port: int) -> Any:
 
     sa = h._server_args("prefill", 1, port, h.free_port())
     with use_context(create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))):
+        shape = (
+            {"kv_lora_rank": 32, "qk_rope_head_dim": 16}
+            if "MLA" in pool_cls.__name__
+            else {"head_num": 2, "head_dim": 32}
+        )
         pool = pool_cls(
-            size=h.POOL_TOKENS, page_size=h.PAGE, dtype=torch.bfloat16, kv_lora_rank=32,
-            qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False,
+            size=h.POOL_TOKENS, page_size=h.PAGE, dtype=torch.bfloat16, layer_num=2, device="cpu",
+            enable_memory_saver=False, **shape,
         )  # fmt: skip
         metadata = MetadataBuffers(
             h.AUX_ITEMS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
@@ -260,8 +265,15 @@ def _plain_manager(pool_cls: Any, port: int) -> Any:
 
 def test_pool_kinds_pdwire_does_not_carry_are_refused_at_start_up_by_name(sglang: Any) -> None:
     """An FP4 MLA pool (its block scales are not in KVArgs: only the packed latents would
-    move) is refused by its class name; the plain MLA pool of the same shape is carried."""
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, MLATokenToKVPoolFP4
+    move) is refused by its class name; the plain MLA pool of the same shape is carried. An FP4
+    MHA pool and a no-op pool, on which SGLang's own ``_init_kv_manager`` fails with an
+    AttributeError naming nothing, are refused by name before it runs."""
+    from sglang.srt.mem_cache.memory_pool import (
+        MHATokenToKVPoolFP4,
+        MLATokenToKVPool,
+        MLATokenToKVPoolFP4,
+        NoOpMHATokenToKVPool,
+    )
 
     manager = _plain_rank(sglang, MLATokenToKVPool)
     try:
@@ -270,6 +282,10 @@ def test_pool_kinds_pdwire_does_not_carry_are_refused_at_start_up_by_name(sglang
         manager.teardown()
     with pytest.raises(ValueError, match=r"pdwire: SGLang pool MLATokenToKVPoolFP4: its FP4 block scales"):
         _plain_rank(sglang, MLATokenToKVPoolFP4)
+    with pytest.raises(ValueError, match=r"pdwire: SGLang pool MHATokenToKVPoolFP4: its FP4 block scales"):
+        _plain_rank(sglang, MHATokenToKVPoolFP4)
+    with pytest.raises(ValueError, match=r"pdwire: SGLang pool NoOpMHATokenToKVPool: it stores no KV"):
+        _plain_rank(sglang, NoOpMHATokenToKVPool)
 
 
 def test_pools_known_by_their_kvargs_only_are_refused_by_name() -> None:
