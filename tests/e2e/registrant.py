@@ -6,7 +6,8 @@ plane) prints ``ready`` once registered, or ``refused <reason>``, then serves un
 closes; ``room N`` on stdin asks for room N (24 tokens) and prints ``finished N STATUS reason``.
 ``REGISTRANT_ENGINE`` and ``REGISTRANT_AGENT`` in the environment change its engine id and its
 backend's agent name; ``REGISTRANT_RETRY_S`` makes it connect again after a refusal for that
-long, then print ``ready after S s, N refusals`` (a restart waiting for its old connection to go).
+long, then print ``ready after S s, N refusals`` (a restart waiting for its old connection to go);
+``REGISTRANT_GO=1`` makes it print ``waiting`` once started and connect on a ``go`` line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def main(endpoint: str, keys: str | None) -> int:
     config = decode_config(os.environ.get("REGISTRANT_ENGINE", "dec"), **auth, room_timeout_s=120)
     retry_s = float(os.environ.get("REGISTRANT_RETRY_S", "0"))
     with DecodeWorker(config, caches.memory, backend=backend, on_finished=finished) as dec:
+        if os.environ.get("REGISTRANT_GO"):
+            print("waiting", flush=True)
+            if sys.stdin.readline().strip() != "go":
+                return 0
         start, refusals = time.monotonic(), 0
         while True:
             group = dec.connect([endpoint], timeout_s=20)  # returns at once, CONNECTING
