@@ -233,6 +233,8 @@ def _plain_rank(sglang: Any, pool_cls: Any) -> Any:
     from SGLang's own ``_init_kv_manager`` (what that raised, if anything)."""
     port = h.free_port()
     server = sglang["server"](host="127.0.0.1", port=port)
+    # SGLang's server cannot be closed before its thread made its loop (a refusal comes at once)
+    tt._wait("the bootstrap server's loop", lambda: getattr(server, "_loop", None) is not None)
     try:
         return _plain_manager(pool_cls, port)
     finally:
