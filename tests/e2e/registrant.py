@@ -7,7 +7,8 @@ closes; ``room N`` on stdin asks for room N (24 tokens) and prints ``finished N 
 ``REGISTRANT_ENGINE`` and ``REGISTRANT_AGENT`` in the environment change its engine id and its
 backend's agent name; ``REGISTRANT_RETRY_S`` makes it connect again after a refusal for that
 long, then print ``ready after S s, N refusals`` (a restart waiting for its old connection to go);
-``REGISTRANT_GO=1`` makes it print ``waiting`` once started and connect on a ``go`` line.
+``REGISTRANT_GO=1`` makes it print ``waiting`` once started and connect on a ``go`` line;
+``REGISTRANT_BACKEND`` names its backend (default ``local``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import select
 import sys
 import time
 
-from pdwire.runtime.backends.local import LocalBackend
+from pdwire.runtime.backends import create_backend
 from pdwire.runtime.control_auth import ControlAuth
 from pdwire.runtime.engine import DecodeWorker, Failure, HandshakeError, Status
 from tests.e2e.conftest import SPEC, decode_config, room_slots, worker_caches
@@ -25,7 +26,8 @@ from tests.e2e.conftest import SPEC, decode_config, room_slots, worker_caches
 
 def main(endpoint: str, keys: str | None) -> int:
     auth = {"control_auth": ControlAuth.from_directory(keys)} if keys else {"insecure_control": True}
-    backend = LocalBackend(agent_name=os.environ.get("REGISTRANT_AGENT", f"registrant-{os.getpid()}"))
+    agent = os.environ.get("REGISTRANT_AGENT", f"registrant-{os.getpid()}")
+    backend = create_backend(os.environ.get("REGISTRANT_BACKEND", "local"), agent_name=agent)
     caches = worker_caches(backend)
 
     def finished(room: int, status: Status, failure: Failure | None) -> None:

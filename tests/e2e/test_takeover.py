@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from pdwire.demo.content import fill, full_tensors
+from pdwire.runtime.backends import Backend, available_backends, create_backend
 from pdwire.runtime.control_auth import ControlAuth, bind_rank, generate_directory
 from pdwire.runtime.engine import Status
 from pdwire.runtime.workers import prefill
@@ -32,6 +33,7 @@ from tests.e2e.test_control_auth import Registrant
 from tests.e2e.test_hostile_peers import run_room
 
 ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["local", "nixl"]
 
 
 @pytest.fixture
@@ -75,10 +77,20 @@ def finish(p: WorkerPair, room: int) -> Status:
     return next(s for r, s, _ in p.finished if r == room)
 
 
-def test_the_deployment_key_claiming_a_live_rank_is_refused_and_the_rank_keeps_its_rooms(keys: Path) -> None:
-    with worker_pair(**authed(keys, room_timeout_s=120)) as p:
+def backends(name: str) -> dict[str, Backend]:
+    """The pair's backends on engine ``name``."""
+    if name not in available_backends():
+        pytest.fail(f"backend {name} does not import here: CI must install it (./dev setup)")
+    return {"pb": create_backend(name, agent_name="pre"), "db": create_backend(name, agent_name="dec")}
+
+
+@pytest.mark.parametrize("engine", BACKENDS)
+def test_the_deployment_key_claiming_a_live_rank_is_refused_and_the_rank_keeps_its_rooms(
+    keys: Path, engine: str
+) -> None:
+    with worker_pair(**backends(engine), **authed(keys, room_timeout_s=120)) as p:
         room_in_flight(p, 5)
-        impostor = Registrant(p, keys)  # "dec" rank 0, the pair's decode rank, with its key
+        impostor = Registrant(p, keys, REGISTRANT_BACKEND=engine)  # "dec"/0, the pair's rank, its key
         try:
             answer = impostor.line()
         finally:
@@ -91,24 +103,28 @@ def test_the_deployment_key_claiming_a_live_rank_is_refused_and_the_rank_keeps_i
         assert p.dec.stats.reconnects == 0 and not p.dec.stats.failures.total, list(p.dec.stats.failures)
 
 
-@pytest.fixture
-def old_rank(keys: Path) -> Iterator[tuple[WorkerPair, Registrant]]:
+@pytest.fixture(params=BACKENDS)
+def old_rank(keys: Path, request: pytest.FixtureRequest) -> Iterator[tuple[WorkerPair, Registrant]]:
     """A prefill rank (heartbeats every 0.5 s, silent past 6 s: closed) and a decode rank "dec"/0
-    in its own process, registered with the deployment's key."""
+    in its own process, registered with the deployment's key, on the engine of the param."""
     saved = prefill.HEARTBEAT_S, prefill.HEARTBEAT_TIMEOUT_S
     prefill.HEARTBEAT_S, prefill.HEARTBEAT_TIMEOUT_S = 0.5, 6.0
+    engine = request.param
     try:
-        with worker_pair(**authed(keys), connect=False) as p:
-            old = Registrant(p, keys)
+        with worker_pair(**backends(engine), **authed(keys), connect=False) as p:
+            old = Registrant(p, keys, REGISTRANT_BACKEND=engine)
             try:
                 assert old.line() == "ready"
                 yield p, old
             finally:
-                if old.proc.poll() is None:
-                    os.kill(old.proc.pid, signal.SIGCONT)
-                old.close()
+                old.proc.kill()  # (a stopped one too: its graceful exit is not under test here)
+                old.proc.wait(30)
     finally:
         prefill.HEARTBEAT_S, prefill.HEARTBEAT_TIMEOUT_S = saved
+
+
+def engine_of(p: WorkerPair) -> str:
+    return p.pb.name
 
 
 def serve_restarted(p: WorkerPair, new: Registrant) -> tuple[float, str]:
@@ -133,7 +149,7 @@ def serve_restarted(p: WorkerPair, new: Registrant) -> tuple[float, str]:
 
 def test_a_killed_rank_restarts_at_once(old_rank: tuple[WorkerPair, Registrant], keys: Path) -> None:
     p, old = old_rank
-    new = Registrant(p, keys, REGISTRANT_RETRY_S="30", REGISTRANT_GO="1")
+    new = Registrant(p, keys, REGISTRANT_RETRY_S="30", REGISTRANT_GO="1", REGISTRANT_BACKEND=engine_of(p))
     assert new.line() == "waiting"  # started up: it registers on "go"
     os.kill(old.proc.pid, signal.SIGKILL)  # its socket closes with it
     old.proc.wait(10)
@@ -150,7 +166,7 @@ def test_a_stopped_rank_is_replaced_once_its_heartbeats_are_missed(
     old_rank: tuple[WorkerPair, Registrant], keys: Path
 ) -> None:
     p, old = old_rank
-    new = Registrant(p, keys, REGISTRANT_RETRY_S="30", REGISTRANT_GO="1")
+    new = Registrant(p, keys, REGISTRANT_RETRY_S="30", REGISTRANT_GO="1", REGISTRANT_BACKEND=engine_of(p))
     assert new.line() == "waiting"  # started up: it registers on "go"
     os.kill(old.proc.pid, signal.SIGSTOP)  # alive, its connection open, answering nothing
     stopped = time.monotonic()
