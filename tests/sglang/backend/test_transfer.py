@@ -309,6 +309,7 @@ def test_a_pipeline_stage_whose_layers_are_unknown_is_refused_by_name(
     one_swa_layer = h.Model("swa", 6, mamba=(0, 3), full=(2, 5), swa=(4,))
     with pytest.raises(ValueError, match=r"PP stage 0 of 2 holds no layer of state\[0\]:swa"):
         h.make_rank("prefill", 1, 0, h.free_port(), h.free_port(), one_swa_layer, 2, 0)
+
     # a decode PP stage whose pools the plugin's hook cannot read: SGLang's decode KVArgs carry
     # no start layer
     def unreadable(*_: Any) -> Any:
