@@ -78,7 +78,7 @@ class ControlAuth:
     authorized: frozenset[bytes] = frozenset()
     server_key: bytes | None = None
     # per-rank keys: (engine id, engine-wide rank or None for every rank) -> the keys it may use
-    bindings: Mapping[tuple[str, int | None], frozenset[bytes]] = field(default_factory=dict)
+    bindings: Mapping[tuple[str, int | None], frozenset[bytes]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "public_key", check_key(self.public_key, "ControlAuth.public_key"))
